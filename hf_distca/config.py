@@ -1,0 +1,50 @@
+"""Engine configuration: how core attention is planned and which kernel runs it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KERNEL_BACKENDS = ("auto", "reference", "torch_varlen", "flash_attn")
+
+
+@dataclass(frozen=True)
+class DistCAConfig:
+    """Knobs of the core-attention engine. Every rank must use an identical config."""
+
+    tolerance: float = 0.1
+    """Balance target: planning stops once every server's attention FLOPs are within
+    (1 + tolerance) x the mean over servers."""
+
+    shard_tokens: int = 128
+    """Granularity of task splitting: a split point inside a document sits on a multiple of this
+    many tokens (so shards are multiples of it except at document remainders). Varlen kernels lose
+    efficiency on shards much shorter than ~128 tokens."""
+
+    max_recv_bytes_per_server: int | None = None
+    """Upper bound on the bytes one server may receive (Q plus KV) for work moved to it; moves that
+    would exceed it are skipped. None: unbounded."""
+
+    backend: str = "auto"
+    """Kernel backend: 'auto' (flash_attn, then torch_varlen on CUDA; reference elsewhere),
+    'reference', 'torch_varlen' or 'flash_attn'."""
+
+    max_planner_moves: int = 100_000
+    """Safety bound on greedy moves per plan (planning stops early, never loops forever)."""
+
+    verify_plan: bool = False
+    """Debug mode: all-gather a hash of the plan and raise if ranks disagree (costs one collective)."""
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.tolerance < 10.0):
+            raise ValueError(f"DistCAConfig.tolerance must be in [0, 10), got {self.tolerance!r}")
+        if not isinstance(self.shard_tokens, int) or self.shard_tokens < 1:
+            raise ValueError(f"DistCAConfig.shard_tokens must be a positive int, got {self.shard_tokens!r}")
+        if self.max_recv_bytes_per_server is not None and self.max_recv_bytes_per_server <= 0:
+            raise ValueError(
+                "DistCAConfig.max_recv_bytes_per_server must be positive or None, "
+                f"got {self.max_recv_bytes_per_server!r}"
+            )
+        if self.backend not in KERNEL_BACKENDS:
+            raise ValueError(f"DistCAConfig.backend must be one of {KERNEL_BACKENDS}, got {self.backend!r}")
+        if self.max_planner_moves < 0:
+            raise ValueError(f"DistCAConfig.max_planner_moves must be >= 0, got {self.max_planner_moves!r}")

@@ -1,0 +1,85 @@
+"""Engine metrics, accumulated between resets (the callback resets once per optimizer step).
+
+FLOPs are forward core-attention FLOPs (4 x heads x head_dim per causal (query, key) pair) summed
+over layers and micro-batches, per server: ``flops_before`` without balancing (each rank its own
+pieces), ``flops_after`` as planned. ``bytes_sent`` counts every byte this rank sent for core
+attention: dispatch and return in forward, their mirrors in backward, and any recompute.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineStats:
+    calls: int = 0
+    """Forward calls of the engine (layers x micro-batches, plus recomputes)."""
+    plans: int = 0
+    """Plans computed (cache misses)."""
+    flops_before: list[float] = field(default_factory=list)
+    flops_after: list[float] = field(default_factory=list)
+    bytes_sent: int = 0
+    plan_seconds: float = 0.0
+
+    @property
+    def imbalance_before(self) -> float:
+        return _imbalance(self.flops_before)
+
+    @property
+    def imbalance_after(self) -> float:
+        return _imbalance(self.flops_after)
+
+
+def _imbalance(values: list[float]) -> float:
+    if not values or sum(values) <= 0:
+        return 1.0
+    return max(values) / (sum(values) / len(values))
+
+
+_lock = threading.Lock()
+_stats = EngineStats()
+
+
+def record_call(flops_before: list[float], flops_after: list[float]) -> None:
+    with _lock:
+        _stats.calls += 1
+        if len(_stats.flops_before) != len(flops_before):
+            _stats.flops_before = [0.0] * len(flops_before)
+            _stats.flops_after = [0.0] * len(flops_after)
+        for i, (b, a) in enumerate(zip(flops_before, flops_after)):
+            _stats.flops_before[i] += b
+            _stats.flops_after[i] += a
+
+
+def record_plan(seconds: float) -> None:
+    with _lock:
+        _stats.plans += 1
+        _stats.plan_seconds += seconds
+
+
+def record_bytes_sent(n: int) -> None:
+    with _lock:
+        _stats.bytes_sent += n
+
+
+def snapshot(reset: bool = False) -> EngineStats:
+    """A copy of the statistics so far; ``reset=True`` starts a new accumulation."""
+    global _stats
+    with _lock:
+        s = EngineStats(
+            calls=_stats.calls,
+            plans=_stats.plans,
+            flops_before=list(_stats.flops_before),
+            flops_after=list(_stats.flops_after),
+            bytes_sent=_stats.bytes_sent,
+            plan_seconds=_stats.plan_seconds,
+        )
+        if reset:
+            _stats = EngineStats()
+    return s
+
+
+def reset() -> None:
+    snapshot(reset=True)

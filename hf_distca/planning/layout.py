@@ -1,0 +1,181 @@
+"""build_rank_layout: turn a plan into one rank's index arrays for dispatch, kernel and return.
+
+Conventions (all ranks derive the same orders from the plan, so nothing about layout is exchanged):
+- the Q stream from holder h to server s: the rows of s's tasks held by h, in s's task order;
+- the KV stream from h to s: for each document s needs (ascending id), the rows of its KV prefix
+  held by h, in position order;
+- outputs come back from s to h in exactly the order h sent the queries.
+A server's pools are ``cat([local rows, rows received from rank 0, from rank 1, ...])``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hf_distca.planning.planner import CorePlan
+
+
+@dataclass
+class RankLayout:
+    """Index arrays of one rank (numpy int64 unless stated)."""
+
+    rank: int
+    world_size: int
+    num_local: int
+    # as a query/KV holder: rows sent to each server (grouped by destination rank, in rank order)
+    send_q_rows: np.ndarray
+    send_q_counts: list[int]
+    send_kv_rows: np.ndarray
+    send_kv_counts: list[int]
+    # as a server: rows received from each holder
+    recv_q_counts: list[int]
+    recv_kv_counts: list[int]
+    # as a server: the fused kernel call over all its tasks
+    kernel_q_index: np.ndarray
+    """Into the Q pool, one entry per kernel query row."""
+    kernel_kv_index: np.ndarray
+    """Into the KV pool, one entry per kernel key row (a prefix shared by two tasks appears twice)."""
+    cu_seqlens_q: np.ndarray
+    cu_seqlens_k: np.ndarray
+    max_seqlen_q: int
+    max_seqlen_k: int
+    # outputs: kernel rows sent back to each holder, and where every local row's output lies in the
+    # output pool cat([kernel output, outputs received from rank 0, from rank 1, ...])
+    out_send_index: np.ndarray
+    out_send_counts: list[int]
+    out_gather: np.ndarray
+
+    @property
+    def out_recv_counts(self) -> list[int]:
+        return self.send_q_counts
+
+
+def _aranges(segments: list[tuple[int, int]]) -> np.ndarray:
+    """Concatenate ranges given as (start, length)."""
+    if not segments:
+        return np.zeros(0, dtype=np.int64)
+    starts = np.fromiter((s for s, _ in segments), dtype=np.int64, count=len(segments))
+    lens = np.fromiter((n for _, n in segments), dtype=np.int64, count=len(segments))
+    total = int(lens.sum())
+    # offsets within the output where each segment begins
+    seg_begin = np.repeat(np.cumsum(lens) - lens, lens)
+    return np.repeat(starts, lens) + (np.arange(total, dtype=np.int64) - seg_begin)
+
+
+def build_rank_layout(plan: CorePlan, rank: int) -> RankLayout:
+    """Index arrays for ``rank`` (cost: its own tasks plus the segments it holds of others' tasks)."""
+    index = plan.index
+    world = plan.world_size
+    num_local = index.tokens_per_rank[rank]
+
+    # --- as a holder: what goes to every other server
+    send_q, send_kv, send_q_counts, send_kv_counts = [], [], [], []
+    for server in range(world):
+        if server == rank:
+            send_q_counts.append(0)
+            send_kv_counts.append(0)
+            continue
+        q_segs = [
+            (start, n)
+            for t in plan.tasks[server]
+            for _, start, n in index.segments(t.doc_id, t.q_start, t.q_end, rank)
+        ]
+        kv_segs = [
+            (start, n)
+            for doc in sorted(plan.kv_prefix[server])
+            for _, start, n in index.segments(doc, 0, plan.kv_prefix[server][doc], rank)
+        ]
+        q_rows, kv_rows = _aranges(q_segs), _aranges(kv_segs)
+        send_q.append(q_rows)
+        send_kv.append(kv_rows)
+        send_q_counts.append(len(q_rows))
+        send_kv_counts.append(len(kv_rows))
+
+    # --- as a server: what arrives, and the kernel's view of the pools
+    recv_q_counts = [0] * world
+    recv_kv_counts = [0] * world
+    # first pass: count arrivals per holder (needed for pool offsets)
+    for t in plan.tasks[rank]:
+        for holder, _, n in index.segments(t.doc_id, t.q_start, t.q_end):
+            if holder != rank:
+                recv_q_counts[holder] += n
+    for doc, prefix in plan.kv_prefix[rank].items():
+        for holder, _, n in index.segments(doc, 0, prefix):
+            if holder != rank:
+                recv_kv_counts[holder] += n
+    q_base = num_local + np.concatenate([[0], np.cumsum(recv_q_counts)[:-1]]).astype(np.int64)
+    kv_base = num_local + np.concatenate([[0], np.cumsum(recv_kv_counts)[:-1]]).astype(np.int64)
+
+    # KV pool indices of every document prefix this server needs
+    kv_pos = [0] * world
+    doc_kv: dict[int, np.ndarray] = {}
+    for doc in sorted(plan.kv_prefix[rank]):
+        segs = []
+        for holder, start, n in index.segments(doc, 0, plan.kv_prefix[rank][doc]):
+            if holder == rank:
+                segs.append((start, n))
+            else:
+                segs.append((int(kv_base[holder]) + kv_pos[holder], n))
+                kv_pos[holder] += n
+        doc_kv[doc] = _aranges(segs)
+
+    q_pos = [0] * world
+    q_segs, kv_parts, cu_q, cu_k = [], [], [0], [0]
+    out_to: list[list[tuple[int, int]]] = [[] for _ in range(world)]  # kernel-row segments per holder
+    out_gather = np.full(num_local, -1, dtype=np.int64)
+    kernel_row = 0
+    for t in plan.tasks[rank]:
+        for holder, start, n in index.segments(t.doc_id, t.q_start, t.q_end):
+            if holder == rank:
+                q_segs.append((start, n))
+                out_gather[start : start + n] = np.arange(kernel_row, kernel_row + n)
+            else:
+                q_segs.append((int(q_base[holder]) + q_pos[holder], n))
+                q_pos[holder] += n
+                out_to[holder].append((kernel_row, n))
+            kernel_row += n
+        kv_parts.append(doc_kv[t.doc_id][: t.q_end])
+        cu_q.append(cu_q[-1] + t.q_len)
+        cu_k.append(cu_k[-1] + t.q_end)
+    kernel_q_index = _aranges(q_segs)
+    kernel_kv_index = np.concatenate(kv_parts) if kv_parts else np.zeros(0, dtype=np.int64)
+
+    out_send = [_aranges(out_to[h]) for h in range(world)]
+    out_send_counts = [len(x) for x in out_send]
+
+    # outputs of rows this rank sent away come back in send order, after the kernel rows
+    base = kernel_row
+    for server in range(world):
+        if server == rank:
+            continue
+        rows = send_q[server - (server > rank)]
+        out_gather[rows] = np.arange(base, base + len(rows))
+        base += len(rows)
+    if num_local and out_gather.min() < 0:
+        missing = int(np.flatnonzero(out_gather < 0)[0])
+        raise AssertionError(f"plan bug: local row {missing} of rank {rank} is computed by no server")
+
+    lens_q = np.diff(cu_q)
+    lens_k = np.diff(cu_k)
+    return RankLayout(
+        rank=rank,
+        world_size=world,
+        num_local=num_local,
+        send_q_rows=np.concatenate(send_q) if send_q else np.zeros(0, dtype=np.int64),
+        send_q_counts=send_q_counts,
+        send_kv_rows=np.concatenate(send_kv) if send_kv else np.zeros(0, dtype=np.int64),
+        send_kv_counts=send_kv_counts,
+        recv_q_counts=recv_q_counts,
+        recv_kv_counts=recv_kv_counts,
+        kernel_q_index=kernel_q_index,
+        kernel_kv_index=kernel_kv_index,
+        cu_seqlens_q=np.asarray(cu_q, dtype=np.int64),
+        cu_seqlens_k=np.asarray(cu_k, dtype=np.int64),
+        max_seqlen_q=int(lens_q.max()) if len(lens_q) else 0,
+        max_seqlen_k=int(lens_k.max()) if len(lens_k) else 0,
+        out_send_index=np.concatenate(out_send) if out_send else np.zeros(0, dtype=np.int64),
+        out_send_counts=out_send_counts,
+        out_gather=out_gather,
+    )

@@ -1,0 +1,61 @@
+"""Run a function on N gloo processes from a test (file:// rendezvous in a fresh temp dir)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(rank: int, world: int, init_file: str, out_dir: str, fn, args) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        result = fn(rank, world, *args)
+        torch.save({"ok": True, "result": result}, os.path.join(out_dir, f"{rank}.pt"))
+    except BaseException:
+        torch.save({"ok": False, "error": traceback.format_exc()}, os.path.join(out_dir, f"{rank}.pt"))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn, world: int, *args, timeout: float = 300.0) -> list:
+    """Call ``fn(rank, world, *args)`` on ``world`` processes; return the per-rank results.
+
+    ``fn`` must be importable (module level). A failure on any rank raises with its traceback.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        ctx = mp.get_context("spawn")
+        procs = [
+            ctx.Process(target=_worker, args=(r, world, init_file, tmp, fn, args), daemon=False)
+            for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+        alive = [p for p in procs if p.is_alive()]
+        for p in alive:
+            p.kill()
+        results = []
+        errors = []
+        for r in range(world):
+            path = os.path.join(tmp, f"{r}.pt")
+            if not os.path.exists(path):
+                errors.append(f"rank {r}: no result (exit code {procs[r].exitcode}, hung={procs[r] in alive})")
+                continue
+            data = torch.load(path, weights_only=False)
+            if data["ok"]:
+                results.append(data["result"])
+            else:
+                errors.append(f"rank {r}:\n{data['error']}")
+        if errors:
+            raise AssertionError("distributed run failed:\n" + "\n".join(errors))
+        return results
