@@ -2,6 +2,9 @@
 
 __version__ = "0.1.0"
 
+from hf_distca import metrics
+from hf_distca.attention import distca_attention_forward, enable_distca
+from hf_distca.callback import DistCACallback
 from hf_distca.config import DistCAConfig
 from hf_distca.engine import core_attention
 from hf_distca.planning import CATask, CorePlan, Piece, PieceError, plan_core_attention
@@ -9,10 +12,14 @@ from hf_distca.planning import CATask, CorePlan, Piece, PieceError, plan_core_at
 __all__ = [
     "CATask",
     "CorePlan",
+    "DistCACallback",
     "DistCAConfig",
     "Piece",
     "PieceError",
     "__version__",
     "core_attention",
+    "distca_attention_forward",
+    "enable_distca",
+    "metrics",
     "plan_core_attention",
 ]

@@ -13,7 +13,9 @@ class _AllToAllV(torch.autograd.Function):
     ``recv_splits[r]`` from it. Backward: the same exchange with the splits swapped."""
 
     @staticmethod
-    def forward(ctx, send: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
+    def forward(
+        ctx, send: torch.Tensor, send_splits: list[int], recv_splits: list[int], group
+    ) -> torch.Tensor:
         ctx.send_splits, ctx.recv_splits, ctx.group = send_splits, recv_splits, group
         return _exchange(send, send_splits, recv_splits, group)
 
@@ -36,5 +38,7 @@ def all_to_all_v(send: torch.Tensor, send_splits: list[int], recv_splits: list[i
     if send.dim() != 1:
         raise ValueError(f"all_to_all_v sends a flat buffer, got shape {tuple(send.shape)}")
     if sum(send_splits) != send.numel():
-        raise ValueError(f"send splits sum to {sum(send_splits)} but the buffer holds {send.numel()} elements")
+        raise ValueError(
+            f"send splits sum to {sum(send_splits)} but the buffer holds {send.numel()} elements"
+        )
     return _AllToAllV.apply(send, list(send_splits), list(recv_splits), group)

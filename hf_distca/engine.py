@@ -9,6 +9,7 @@ them, by index_select's backward).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 from collections import OrderedDict
@@ -80,8 +81,13 @@ def _check_pieces(pieces: Sequence[Sequence[int]], num_tokens: int) -> list[tupl
     return out
 
 
-def gather_pieces(pieces: list[tuple[int, int, int]], group, device: torch.device) -> list[list[tuple]]:
-    """All ranks' pieces, via two small all-gathers (counts, then padded pieces)."""
+def gather_pieces(
+    pieces: list[tuple[int, int, int]], group, device: torch.device, *, ok: bool = True
+) -> list[list[tuple]]:
+    """All ranks' pieces, via two small all-gathers (counts, then padded pieces).
+
+    ``ok=False``: this rank's pieces are invalid; it still takes part in the first all-gather so that
+    every rank raises ValueError together instead of the others waiting forever."""
     rank, world = _world(group)
     if world == 1:
         return [pieces]
@@ -90,22 +96,34 @@ def gather_pieces(pieces: list[tuple[int, int, int]], group, device: torch.devic
         device = torch.device("cuda", torch.cuda.current_device())
     elif backend == "gloo":
         device = torch.device("cpu")
-    count = torch.tensor([len(pieces)], dtype=torch.long, device=device)
+    # Fix (hang): the count all-gather also carries a validity flag, see `ok` above.
+    count = torch.tensor([len(pieces), int(ok)], dtype=torch.long, device=device)
     counts = [torch.zeros_like(count) for _ in range(world)]
     dist.all_gather(counts, count, group=group)
-    n_max = max(int(c.item()) for c in counts)
+    bad = [r for r, c in enumerate(counts) if int(c[1].item()) == 0]
+    if bad:
+        raise ValueError(
+            f"rank(s) {bad} passed pieces that do not describe their local tokens (see the error on those ranks)"
+        )
+    n_max = max(int(c[0].item()) for c in counts)
     mine = torch.full((max(n_max, 1), 3), -1, dtype=torch.long, device=device)
     if pieces:
         mine[: len(pieces)] = torch.tensor(pieces, dtype=torch.long, device=device)
     everyone = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(everyone, mine, group=group)
     return [
-        [tuple(row) for row in t[: int(c.item())].cpu().tolist()] for t, c in zip(everyone, counts, strict=True)
+        [tuple(row) for row in t[: int(c[0].item())].cpu().tolist()]
+        for t, c in zip(everyone, counts, strict=True)
     ]
 
 
 def _prepare(
-    all_pieces: list[list[tuple]], rank: int, q_row_bytes: int, kv_row_bytes: int, flops_per_pair: float, config
+    all_pieces: list[list[tuple]],
+    rank: int,
+    q_row_bytes: int,
+    kv_row_bytes: int,
+    flops_per_pair: float,
+    config,
 ) -> _Prepared:
     key_src = repr((all_pieces, q_row_bytes, kv_row_bytes, config)).encode()
     key = (hashlib.sha1(key_src).hexdigest(), rank)
@@ -164,8 +182,17 @@ def core_attention(
         raise ValueError(f"q, k, v hold different token counts: {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
     if q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
-    mine = _check_pieces(pieces, q.shape[0])
     rank, world = _world(group)
+    try:
+        mine = _check_pieces(pieces, q.shape[0])
+    except (TypeError, ValueError) as err:
+        if world == 1 or all_pieces is not None:
+            raise
+        # Fix (hang): raising here alone left every other rank blocked in gather_pieces' all-gather.
+        # Join it with a failure flag so that all ranks raise; this rank raises its own detailed error.
+        with contextlib.suppress(ValueError):
+            gather_pieces([], group, q.device, ok=False)
+        raise err
     if all_pieces is None:
         all_pieces = gather_pieces(mine, group, q.device)
     elif len(all_pieces) != world or [tuple(p) for p in all_pieces[rank]] != mine:
@@ -221,7 +248,9 @@ def _run(q, k, v, prepared: _Prepared, group, world: int, config: DistCAConfig, 
         ]
         recv = all_to_all_v(torch.cat(parts), send_splits, recv_splits, group)
         rq, rk, rv = [q], [k], [v]
-        for chunk, nq, nkv in zip(recv.split(recv_splits), lay.recv_q_counts, lay.recv_kv_counts, strict=True):
+        for chunk, nq, nkv in zip(
+            recv.split(recv_splits), lay.recv_q_counts, lay.recv_kv_counts, strict=True
+        ):
             a, b = nq * num_heads * head_dim, nkv * kv_heads * head_dim
             rq.append(chunk[:a].view(nq, num_heads, head_dim))  # (nq, Hq, D)
             rk.append(chunk[a : a + b].view(nkv, kv_heads, head_dim))  # (nkv, Hkv, D)
@@ -247,7 +276,9 @@ def _run(q, k, v, prepared: _Prepared, group, world: int, config: DistCAConfig, 
             backend=config.backend,
         )
     else:
-        out_kernel = q_kernel * 0  # (0, Hq, D), keeps the graph connected
+        # (0, Hq, D), keeps the graph connected. Fix: k and v too (their rows are empty here), else a
+        # server with no task and no exchange returned grad None for k/v instead of zeros.
+        out_kernel = q_kernel * 0 + (k_kernel.sum() + v_kernel.sum()) * 0
 
     # ---- return outputs to their query owners
     if communicates:

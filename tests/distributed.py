@@ -49,7 +49,9 @@ def run_distributed(fn, world: int, *args, timeout: float = 300.0) -> list:
         for r in range(world):
             path = os.path.join(tmp, f"{r}.pt")
             if not os.path.exists(path):
-                errors.append(f"rank {r}: no result (exit code {procs[r].exitcode}, hung={procs[r] in alive})")
+                errors.append(
+                    f"rank {r}: no result (exit code {procs[r].exitcode}, hung={procs[r] in alive})"
+                )
                 continue
             data = torch.load(path, weights_only=False)
             if data["ok"]:

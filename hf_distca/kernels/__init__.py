@@ -45,14 +45,18 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> s
     if backend == "auto":
         return usable[0]
     if backend not in ("reference", "torch_varlen", "flash_attn"):
-        raise ValueError(f"unknown kernel backend {backend!r}; use auto, reference, torch_varlen or flash_attn")
+        raise ValueError(
+            f"unknown kernel backend {backend!r}; use auto, reference, torch_varlen or flash_attn"
+        )
     if backend not in usable:
         why = (
             "flash-attn is not installed (pip install flash-attn)"
             if backend == "flash_attn" and not flash_attn_available()
             else f"it needs a CUDA tensor in float16/bfloat16, got {device.type} {dtype}"
         )
-        raise UnsupportedFeatureError(f"kernel backend {backend!r} cannot run here: {why}. Use backend='auto'.")
+        raise UnsupportedFeatureError(
+            f"kernel backend {backend!r} cannot run here: {why}. Use backend='auto'."
+        )
     return backend
 
 

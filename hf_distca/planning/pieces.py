@@ -85,7 +85,9 @@ class DocIndex:
     def total_tokens(self) -> int:
         return sum(self.tokens_per_rank)
 
-    def segments(self, doc_id: int, start: int, end: int, rank: int | None = None) -> list[tuple[int, int, int]]:
+    def segments(
+        self, doc_id: int, start: int, end: int, rank: int | None = None
+    ) -> list[tuple[int, int, int]]:
         """Split doc positions [start, end) into ``(rank, local_start, length)`` runs, in position order.
 
         With ``rank`` given, only the runs that rank holds (the others are skipped)."""

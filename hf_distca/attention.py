@@ -1,0 +1,442 @@
+"""The ``distca`` attention implementation for Hugging Face Transformers.
+
+Importing this module registers ``"distca"`` in ``transformers.AttentionInterface`` (the attention
+function) and in ``transformers.masking_utils.AttentionMaskInterface`` (a mask function that only
+forwards the 2-D padding mask, so padded batches can be unpadded here). Models then accept
+``attn_implementation="distca"`` in ``from_pretrained`` / ``from_config`` and
+``model.set_attn_implementation("distca")``.
+
+Two modes:
+
+- local (default): each process computes causal attention of its own batch, document by document,
+  with no communication. Document boundaries come from :mod:`hf_distca.packing`.
+- distributed: after :func:`enable_distca`, a forward that carries a ``distca_layout`` kwarg (an
+  object with ``pieces`` and ``all_pieces``, produced by the integration layer) runs the balanced
+  engine :func:`hf_distca.engine.core_attention` over the runtime's process group.
+
+This is glue only: no policy lives here. Features the kernels cannot compute exactly (sliding window
+shorter than a document, softcapping, attention dropout in training, sinks, non-causal attention,
+cross-attention, KV-cache decoding) raise instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from hf_distca.config import DistCAConfig
+from hf_distca.engine import core_attention
+from hf_distca.kernels import UnsupportedFeatureError, varlen_attention
+from hf_distca.packing import (
+    Unpadded,
+    cu_seqlens_from_lengths,
+    packed_document_lengths,
+    pieces_from_lengths,
+    scatter_rows,
+    unpad,
+)
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "DistCALayout",
+    "DistCARuntime",
+    "distca_attention_forward",
+    "distca_padding_mask",
+    "enable_distca",
+]
+
+ATTN_IMPLEMENTATION = "distca"
+RUNTIME_ATTR = "distca_runtime"
+_DEFAULT_CONFIG = DistCAConfig()
+
+
+class DistCALayout(Protocol):
+    """What the ``distca_layout`` forward kwarg must provide (built by the integration layer)."""
+
+    pieces: Sequence[Sequence[int]]
+    """This rank's ``(doc_id, doc_start, length)`` runs, in local token order."""
+    all_pieces: Sequence[Sequence[Sequence[int]]]
+    """Every rank's pieces (index = rank in the group), identical on all ranks."""
+
+
+@dataclass(frozen=True)
+class DistCARuntime:
+    """Process group and engine config used by every attention module of a model (see :func:`enable_distca`)."""
+
+    group: Any = None
+    """Attention-server process group; None: the world (when torch.distributed is initialized)."""
+    config: DistCAConfig = field(default_factory=DistCAConfig)
+
+    def __deepcopy__(self, memo: dict) -> DistCARuntime:
+        # process groups cannot be copied; a deep-copied model shares the runtime (it holds no state)
+        return self
+
+
+def enable_distca(
+    model: torch.nn.Module, *, group: Any = None, config: DistCAConfig | None = None
+) -> DistCARuntime:
+    """Attach a :class:`DistCARuntime` to every submodule of ``model`` so that the ``distca`` attention
+    function finds it through the module it is called with; return the runtime.
+
+    Needed only for the distributed path (forwards carrying a ``distca_layout`` kwarg); without it the
+    attention is local and never communicates. A forward without ``distca_layout`` stays local even
+    after this call (only the runtime's ``config.backend`` applies). Every submodule gets it (not only the attention
+    layers) so models whose attention classes follow no naming convention work too. Calling it again
+    replaces the runtime. The model must use ``attn_implementation="distca"``.
+    """
+    runtime = DistCARuntime(group=group, config=config if config is not None else DistCAConfig())
+    for module in model.modules():
+        setattr(module, RUNTIME_ATTR, runtime)
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", ATTN_IMPLEMENTATION)
+    if impl != ATTN_IMPLEMENTATION:
+        warnings.warn(
+            f"enable_distca: the model uses attn_implementation={impl!r}, so the runtime is unused; "
+            "load it with attn_implementation='distca' or call model.set_attn_implementation('distca')",
+            stacklevel=2,
+        )
+    return runtime
+
+
+# --------------------------------------------------------------------------------------------------
+# mask function: hand the 2-D padding mask through (Transformers passes attention_mask=None to
+# attention implementations that have no registered mask function)
+
+
+def distca_padding_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function: Any = None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor | None:
+    """Mask function registered as ``"distca"`` in ``AttentionMaskInterface``.
+
+    Returns the 2-D boolean padding mask (B, kv_length) when some token is padding, else None. The
+    causal pattern and document boundaries are built by the attention function itself, so
+    ``mask_function`` (causal / sliding / packed) is deliberately not materialised.
+    """
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2:
+        return attention_mask  # a user-built 4-D mask; the attention function refuses it clearly
+    mask = attention_mask[:, -kv_length:].bool()  # (B, kv_length)
+    if mask.shape[1] == kv_length and bool(mask.all()):
+        return None
+    return mask
+
+
+# --------------------------------------------------------------------------------------------------
+# document boundaries, cached across the layers of one forward (every layer receives the same
+# tensors; deriving boundaries needs a host synchronisation we want once per forward, not per layer)
+
+
+@dataclass
+class _LocalBatch:
+    lengths: list[int]
+    unpadded: Unpadded | None
+    pieces: list[tuple[int, int, int]]
+    max_len: int
+    cu_seqlens: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def cu(self, device: torch.device) -> torch.Tensor:
+        key = str(device)
+        if key not in self.cu_seqlens:
+            self.cu_seqlens[key] = cu_seqlens_from_lengths(self.lengths, device=device)
+        return self.cu_seqlens[key]
+
+
+class _OneSlotCache:
+    """Remembers the batch derived from the last set of source tensors (identity + version checked)."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._refs: tuple = ()
+        self._value: _LocalBatch | None = None
+
+    @staticmethod
+    def _fingerprint(sources: tuple) -> tuple | None:
+        parts = []
+        for t in sources:
+            if t is None:
+                parts.append(None)
+                continue
+            if not isinstance(t, torch.Tensor):
+                return None  # e.g. offsets given as a list: cheap to re-derive, not cached
+            try:
+                parts.append((id(t), t._version))
+            except RuntimeError:  # inference tensors have no version counter: do not cache
+                return None
+        return tuple(parts)
+
+    def get(self, shape: tuple, sources: tuple) -> _LocalBatch | None:
+        fp = self._fingerprint(sources)
+        if fp is None or self._key != (shape, fp):
+            return None
+        for ref, t in zip(self._refs, sources):
+            if ref is not None and ref() is not t:
+                return None
+        return self._value
+
+    def put(self, shape: tuple, sources: tuple, value: _LocalBatch) -> None:
+        fp = self._fingerprint(sources)
+        if fp is None:
+            return
+        self._key = (shape, fp)
+        self._refs = tuple(weakref.ref(t) if isinstance(t, torch.Tensor) else None for t in sources)
+        self._value = value
+
+
+_batch_cache = _OneSlotCache()
+
+
+def _padding_mask(attention_mask: torch.Tensor | None, batch: int, seq: int) -> torch.Tensor | None:
+    """The 2-D padding mask if it masks something, else None. Refuses 4-D and additive masks."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2:
+        raise ValueError(
+            f"attn_implementation='distca' got a {attention_mask.dim()}-D attention mask of shape "
+            f"{tuple(attention_mask.shape)}; distca builds causality and document boundaries itself. Pass a 2-D "
+            "padding mask (batch, seq) or none (for packed batches use DataCollatorWithFlattening), or use "
+            "attn_implementation='sdpa' for custom masks"
+        )
+    if attention_mask.is_floating_point():
+        raise ValueError(
+            "attn_implementation='distca' expects a boolean or 0/1 integer padding mask, got dtype "
+            f"{attention_mask.dtype}; pass the tokenizer's attention_mask unchanged"
+        )
+    if tuple(attention_mask.shape) != (batch, seq):
+        raise ValueError(
+            f"padding mask shaped {tuple(attention_mask.shape)} does not match the batch ({batch}, {seq}); "
+            "distca does not support a KV cache or past key values"
+        )
+    return attention_mask
+
+
+def _local_batch(batch: int, seq: int, mask: torch.Tensor | None, kwargs: dict) -> _LocalBatch:
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    position_ids = kwargs.get("position_ids")
+    sources = (mask, cu_q, cu_k, position_ids)
+    hit = _batch_cache.get((batch, seq), sources)
+    if hit is not None:
+        return hit
+    if mask is not None and bool(mask.bool().all()):
+        mask = None  # a mask that masks nothing: fall back to packing kwargs / position ids
+    if mask is not None:
+        if cu_q is not None or cu_k is not None:
+            raise ValueError(
+                "got both a padding attention_mask and packed-sequence kwargs (cu_seq_lens_q/k); pass one: "
+                "packed batches from DataCollatorWithFlattening need no attention_mask"
+            )
+        unpadded = unpad(mask)
+        lengths = unpadded.lengths
+    else:
+        unpadded = None
+        lengths = packed_document_lengths(
+            batch, seq, cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k, position_ids=position_ids
+        )
+    value = _LocalBatch(
+        lengths=lengths,
+        unpadded=unpadded,
+        pieces=pieces_from_lengths(lengths),
+        max_len=max(lengths, default=0),
+    )
+    _batch_cache.put((batch, seq), sources, value)
+    return value
+
+
+# --------------------------------------------------------------------------------------------------
+# the attention function
+
+
+def _check_supported(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, dropout: float, kwargs: dict
+) -> None:
+    if query.dim() != 4 or key.dim() != 4:
+        raise ValueError(
+            f"distca attention expects query/key/value shaped (batch, heads, seq, head_dim), got "
+            f"{tuple(query.shape)} and {tuple(key.shape)}"
+        )
+    if query.shape[2] != key.shape[2]:
+        raise UnsupportedFeatureError(
+            f"attn_implementation='distca' computes causal self-attention over whole sequences, but got "
+            f"{query.shape[2]} queries and {key.shape[2]} keys: cross-attention and generation with a KV cache "
+            "(past keys) are not supported. For inference/generation switch with "
+            "model.set_attn_implementation('sdpa')"
+        )
+    if query.shape[1] % key.shape[1] != 0:
+        raise ValueError(
+            f"query heads ({query.shape[1]}) must be a multiple of key/value heads ({key.shape[1]})"
+        )
+    if getattr(module, "is_causal", True) is False or kwargs.get("is_causal") is False:
+        raise UnsupportedFeatureError(
+            f"{type(module).__name__} is not causal; attn_implementation='distca' only computes causal "
+            "attention. Use attn_implementation='sdpa' for bidirectional/encoder attention"
+        )
+    if getattr(getattr(module, "config", None), "is_causal", True) is False:
+        raise UnsupportedFeatureError(
+            "the model config sets is_causal=False (bidirectional attention); attn_implementation='distca' "
+            "only computes causal attention. Use attn_implementation='sdpa'"
+        )
+    softcap = kwargs.get("softcap")
+    if softcap is not None and softcap != 0:
+        raise UnsupportedFeatureError(
+            f"attention logit softcapping (softcap={softcap}) is not supported by attn_implementation='distca'; "
+            "use attn_implementation='eager' or 'sdpa' for this model"
+        )
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        raise UnsupportedFeatureError(
+            "attention sinks (s_aux) are not supported by attn_implementation='distca'; use "
+            "attn_implementation='eager' for this model"
+        )
+    if dropout and dropout > 0 and module.training:
+        raise UnsupportedFeatureError(
+            f"attention dropout (p={dropout}) is not supported by attn_implementation='distca'; set the "
+            "model config's attention_dropout=0.0"
+        )
+
+
+def _check_window(sliding_window: int | None, longest: int) -> None:
+    # Transformers' sliding window lets query i see keys j with i - j < window: a document no longer
+    # than the window is unaffected, so the result is exact.
+    if sliding_window is not None and longest > sliding_window:
+        raise UnsupportedFeatureError(
+            f"a document of {longest} tokens is longer than the model's sliding window ({sliding_window}); "
+            "sliding-window attention is not supported by attn_implementation='distca'. Keep documents at most "
+            f"{sliding_window} tokens, or set the config's sliding_window=None (use_sliding_window=False) to "
+            "train with full causal attention"
+        )
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    b, h, s, d = x.shape
+    return x.transpose(1, 2).reshape(b * s, h, d)  # (B, H, S, D) -> (B * S, H, D)
+
+
+def _run_local(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    local: _LocalBatch,
+    scale: float | None,
+    config: DistCAConfig,
+) -> torch.Tensor:
+    """Causal attention of local documents, no communication. q: (T, Hq, D); k, v: (T, Hkv, D)."""
+    if q.shape[0] == 0:
+        return q * 0  # (0, Hq, D), nothing to attend (every row fully padded)
+    if dist.is_available() and dist.is_initialized():
+        # the engine's group=None means the world once torch.distributed is up: call the kernel
+        # directly so that a process without enable_distca/distca_layout never communicates.
+        cu = local.cu(q.device)
+        return varlen_attention(
+            q, k, v, cu, cu, local.max_len, local.max_len, scale=scale, backend=config.backend
+        )
+    return core_attention(
+        q, k, v, local.pieces, group=None, config=config, scale=scale, all_pieces=[local.pieces]
+    )
+
+
+def _run_distributed(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+    layout: Any,
+    kwargs: dict,
+) -> torch.Tensor:
+    runtime = getattr(module, RUNTIME_ATTR, None)
+    if runtime is None:
+        raise RuntimeError(
+            "the forward got a distca_layout but the model has no distca runtime; call "
+            "hf_distca.enable_distca(model, group=...) after building the model (and on every rank)"
+        )
+    batch, _, seq, _ = query.shape
+    if batch != 1:
+        raise ValueError(
+            f"with a distca_layout the batch must be one packed row (1, S), got batch size {batch}; "
+            "use DataCollatorWithFlattening / the distca collator"
+        )
+    mask = _padding_mask(attention_mask, batch, seq)
+    if mask is not None and not bool(mask.bool().all()):
+        raise ValueError("with a distca_layout the packed row must not be padded; drop the attention_mask")
+    pieces = [tuple(int(x) for x in p) for p in layout.pieces]
+    all_pieces = [[tuple(int(x) for x in p) for p in rank_pieces] for rank_pieces in layout.all_pieces]
+    if kwargs.get("sliding_window") is not None:
+        doc_len: dict[int, int] = {}
+        for rank_pieces in all_pieces:
+            for doc, start, length in rank_pieces:
+                doc_len[doc] = max(doc_len.get(doc, 0), start + length)
+        _check_window(kwargs["sliding_window"], max(doc_len.values(), default=0))
+    out = core_attention(
+        _flat(query),
+        _flat(key),
+        _flat(value),
+        pieces,
+        group=runtime.group,
+        config=runtime.config,
+        scale=scaling,
+        all_pieces=all_pieces,
+    )  # (S, Hq, D)
+    return out.view(batch, seq, *out.shape[1:])  # (1, S, Hq, D)
+
+
+def distca_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention function registered as ``"distca"`` in ``transformers.AttentionInterface``.
+
+    query: (B, Hq, S, D); key, value: (B, Hkv, S, D) with Hq % Hkv == 0 (GQA). Returns
+    ``(out, None)`` with out (B, S, Hq, D). Causal within each document, never across documents:
+    boundaries from ``cu_seq_lens_q/k`` (packed batch of 1 row), else ``position_ids``, else one
+    document per row; a 2-D padding mask unpads each row into one document (padded outputs are 0).
+    A ``distca_layout`` kwarg selects the distributed engine (needs :func:`enable_distca`).
+    """
+    _check_supported(module, query, key, dropout, kwargs)
+    layout = kwargs.get("distca_layout")
+    if layout is not None:
+        out = _run_distributed(module, query, key, value, attention_mask, scaling, layout, kwargs)
+        return out, None
+
+    batch, num_heads, seq, head_dim = query.shape
+    mask = _padding_mask(attention_mask, batch, seq)
+    local = _local_batch(batch, seq, mask, kwargs)
+    _check_window(kwargs.get("sliding_window"), local.max_len)
+    runtime = getattr(module, RUNTIME_ATTR, None)
+    config = runtime.config if runtime is not None else _DEFAULT_CONFIG
+
+    q, k, v = _flat(query), _flat(key), _flat(value)  # (B * S, H, D)
+    if local.unpadded is not None:
+        idx = local.unpadded.indices
+        q, k, v = q.index_select(0, idx), k.index_select(0, idx), v.index_select(0, idx)  # (T, H, D)
+    out = _run_local(q, k, v, local, scaling, config)  # (T, Hq, D)
+    if local.unpadded is not None:
+        out = scatter_rows(out, local.unpadded)  # (B * S, Hq, D), zeros at padding
+    return out.view(batch, seq, num_heads, head_dim), None  # (B, S, Hq, D)
+
+
+def _register() -> None:
+    AttentionInterface.register(ATTN_IMPLEMENTATION, distca_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, distca_padding_mask)
+
+
+_register()

@@ -1,0 +1,271 @@
+"""layout_micro_batch: lay one global micro-batch of documents out over the ranks, equal tokens each.
+
+Every rank receives the same documents (token ids) and computes the same layout (deterministic,
+nothing is exchanged). Each rank ends up with exactly ``tokens_per_rank`` tokens, so everything but
+core attention is balanced; core attention is rebalanced later by the planner, using the pieces
+recorded here.
+
+Placement, documents taken longest first (ties: lower index first):
+- a document that fits whole on the rank with the most free space (ties: lower rank) goes there;
+- otherwise it is cut over the fewest ranks that can hold it, taken by most free space, with
+  shares as equal as their free space allows ("water filling"). Each rank's share is split in a
+  head half and a tail half laid out as ``head_0 head_1 ... head_{k-1} tail_{k-1} ... tail_1 tail_0``
+  along the document ("zigzag"). With equal shares this is exactly the 2k-chunk scheme (rank j holds
+  chunks j and 2k-1-j), whose causal work sum(position + 1) is the same on every rank: the early,
+  cheap head of a rank is paired with a late, expensive tail. The two halves of the last rank are
+  adjacent and form one piece.
+The padding needed to reach ``tokens_per_rank`` (only the remainder of each rank) is rank r's own
+pseudo-document ``len(docs) + r``: it attends only to itself, never to real tokens.
+
+Labels are shifted on the whole document before cutting, so a piece that ends mid-document keeps
+the target of its last token (the first token of the next piece).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hf_distca.planning.pieces import Piece
+
+IGNORE_INDEX = -100
+"""Label of tokens without a target (last token of a document, padding); ignored by the loss."""
+
+__all__ = ["IGNORE_INDEX", "RankBatch", "layout_for_rank", "layout_micro_batch", "layout_pieces"]
+
+
+@dataclass(frozen=True)
+class RankBatch:
+    """One rank's share of a global micro-batch."""
+
+    input_ids: torch.Tensor
+    """LongTensor (1, tokens_per_rank): token ids, pieces in local order, padding last."""
+    position_ids: torch.Tensor
+    """LongTensor (1, tokens_per_rank): the true position of each token in its document (RoPE sees
+    global positions even for a piece that starts mid-document); padding counts 0, 1, ..."""
+    shift_labels: torch.Tensor
+    """LongTensor (1, tokens_per_rank): id of the next token of the same document, -100 at the last
+    token of each document and on padding (already shifted: do not shift again)."""
+    pieces: tuple[Piece, ...]
+    """(doc_id, doc_start, length) of this rank, in local order, covering all its tokens; padding is
+    the piece of pseudo-document ``num_docs + rank``."""
+    all_pieces: tuple[tuple[Piece, ...], ...]
+    """Every rank's ``pieces`` (identical on all ranks): the input of the core-attention planner."""
+    num_targets: int
+    """Tokens of this rank with a target (shift_labels != -100)."""
+    global_num_targets: int
+    """Targets of the whole micro-batch over all ranks (sum of len(doc) - 1): the token-weighted
+    loss denominator, known without a collective."""
+    rank: int
+    """The rank this batch belongs to."""
+    num_docs: int
+    """Number of real documents: doc ids >= num_docs are padding."""
+
+
+def layout_pieces(
+    doc_lengths: Sequence[int], *, world_size: int, tokens_per_rank: int, min_piece_tokens: int = 1
+) -> list[tuple[Piece, ...]]:
+    """Pieces of every rank for documents of these lengths (metadata only, no tokens).
+
+    ``min_piece_tokens``: a rank whose share of a cut document is shorter than twice this gets it
+    as one chunk instead of a head and a tail, avoiding pieces too short for efficient kernels.
+    """
+    _check_positive("world_size", world_size)
+    _check_positive("tokens_per_rank", tokens_per_rank)
+    _check_positive("min_piece_tokens", min_piece_tokens)
+    lengths = [int(n) for n in doc_lengths]
+    if any(n < 0 for n in lengths):
+        raise ValueError(f"document lengths must be >= 0, got {lengths}")
+    total, capacity = sum(lengths), world_size * tokens_per_rank
+    if total > capacity:
+        raise ValueError(
+            f"{len(lengths)} documents hold {total} tokens, more than world_size x tokens_per_rank = "
+            f"{world_size} x {tokens_per_rank} = {capacity}; plan smaller micro-batches "
+            "(plan_global_batches with tokens_per_step = micro_batches x world_size x tokens_per_rank)"
+        )
+
+    free = [tokens_per_rank] * world_size
+    placed: list[list[Piece]] = [[] for _ in range(world_size)]
+    for doc in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        length = lengths[doc]
+        if length == 0:
+            continue
+        by_free = sorted(range(world_size), key=lambda r: (-free[r], r))
+        if free[by_free[0]] >= length:
+            rank = by_free[0]
+            placed[rank].append(Piece(doc, 0, length))
+            free[rank] -= length
+            continue
+        # fewest ranks (most free first) whose free space holds the document
+        ranks, room = [], 0
+        for r in by_free:
+            ranks.append(r)
+            room += free[r]
+            if room >= length:
+                break
+        shares = _water_fill([free[r] for r in ranks], length)
+        for rank, doc_start, n in _zigzag(ranks, shares, min_piece_tokens):
+            placed[rank].append(Piece(doc, doc_start, n))
+            free[rank] -= n
+
+    pad_base = len(lengths)
+    for rank in range(world_size):
+        placed[rank] = _merge_adjacent(placed[rank])
+        if free[rank]:
+            placed[rank].append(Piece(pad_base + rank, 0, free[rank]))
+    return [tuple(p) for p in placed]
+
+
+def layout_micro_batch(
+    docs: Sequence[Sequence[int]],
+    *,
+    world_size: int,
+    tokens_per_rank: int,
+    pad_token_id: int = 0,
+    min_piece_tokens: int = 1,
+) -> list[RankBatch]:
+    """Lay ``docs`` (token ids of one global micro-batch) out over ``world_size`` ranks.
+
+    Returns one ``RankBatch`` per rank, each with exactly ``tokens_per_rank`` tokens.
+    """
+    arrays = [_as_tokens(d, i) for i, d in enumerate(docs)]
+    all_pieces = tuple(
+        layout_pieces(
+            [len(a) for a in arrays],
+            world_size=world_size,
+            tokens_per_rank=tokens_per_rank,
+            min_piece_tokens=min_piece_tokens,
+        )
+    )
+    return [_materialize(arrays, all_pieces, r, tokens_per_rank, pad_token_id) for r in range(world_size)]
+
+
+def layout_for_rank(
+    docs: Sequence[Sequence[int]],
+    *,
+    rank: int,
+    world_size: int,
+    tokens_per_rank: int,
+    pad_token_id: int = 0,
+    min_piece_tokens: int = 1,
+) -> RankBatch:
+    """``layout_micro_batch(...)[rank]``, building the tensors of ``rank`` only."""
+    _check_positive("world_size", world_size)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be an int in [0, world_size={world_size}), got {rank!r}")
+    arrays = [_as_tokens(d, i) for i, d in enumerate(docs)]
+    all_pieces = tuple(
+        layout_pieces(
+            [len(a) for a in arrays],
+            world_size=world_size,
+            tokens_per_rank=tokens_per_rank,
+            min_piece_tokens=min_piece_tokens,
+        )
+    )
+    return _materialize(arrays, all_pieces, rank, tokens_per_rank, pad_token_id)
+
+
+def _water_fill(caps: list[int], total: int) -> list[int]:
+    """Integer shares summing to ``total``, share_i <= caps[i], as equal as the caps allow.
+
+    Smallest caps first (ties: earlier first), each takes min(cap, ceil(remaining / ranks left));
+    the remaining total never exceeds the remaining caps, so the last rank absorbs the rest exactly.
+    """
+    shares = [0] * len(caps)
+    remaining, left = total, len(caps)
+    for i in sorted(range(len(caps)), key=lambda i: (caps[i], i)):
+        take = min(caps[i], -(-remaining // left))
+        shares[i] = take
+        remaining -= take
+        left -= 1
+    if remaining:
+        raise AssertionError(f"water filling left {remaining} tokens (caps {caps}, total {total})")
+    return shares
+
+
+def _zigzag(ranks: list[int], shares: list[int], min_piece: int) -> list[tuple[int, int, int]]:
+    """(rank, doc_start, length) runs: heads of ranks in order, then their tails in reverse order."""
+    heads, tails = [], []
+    for share in shares:
+        tail = share // 2 if share >= 2 * min_piece else 0
+        heads.append(share - tail)
+        tails.append(tail)
+    runs, pos = [], 0
+    for rank, n in zip(ranks, heads):
+        runs.append((rank, pos, n))
+        pos += n
+    for rank, n in reversed(list(zip(ranks, tails))):
+        runs.append((rank, pos, n))
+        pos += n
+    # a rank's head before its tail in local order; empty runs dropped
+    runs.sort(key=lambda run: ranks.index(run[0]))
+    return [run for run in runs if run[2] > 0]
+
+
+def _merge_adjacent(pieces: list[Piece]) -> list[Piece]:
+    """Join consecutive pieces of one document that are also consecutive in the document."""
+    out: list[Piece] = []
+    for p in pieces:
+        if out and out[-1].doc_id == p.doc_id and out[-1].doc_start + out[-1].length == p.doc_start:
+            out[-1] = Piece(p.doc_id, out[-1].doc_start, out[-1].length + p.length)
+        else:
+            out.append(p)
+    return out
+
+
+def _materialize(
+    arrays: list[np.ndarray],
+    all_pieces: tuple[tuple[Piece, ...], ...],
+    rank: int,
+    tokens_per_rank: int,
+    pad_token_id: int,
+) -> RankBatch:
+    num_docs = len(arrays)
+    ids = np.empty(tokens_per_rank, dtype=np.int64)
+    pos = np.empty(tokens_per_rank, dtype=np.int64)
+    labels = np.empty(tokens_per_rank, dtype=np.int64)
+    offset = 0
+    for doc_id, start, n in all_pieces[rank]:
+        end = offset + n
+        pos[offset:end] = np.arange(start, start + n)
+        if doc_id >= num_docs:  # padding pseudo-document
+            ids[offset:end] = pad_token_id
+            labels[offset:end] = IGNORE_INDEX
+        else:
+            tokens = arrays[doc_id]
+            ids[offset:end] = tokens[start : start + n]
+            # next token of the same document; the document's last token has none
+            nxt = tokens[start + 1 : start + n + 1]
+            labels[offset : offset + len(nxt)] = nxt
+            labels[offset + len(nxt) : end] = IGNORE_INDEX
+        offset = end
+    if offset != tokens_per_rank:
+        raise AssertionError(f"layout bug: rank {rank} holds {offset} tokens, expected {tokens_per_rank}")
+    return RankBatch(
+        input_ids=torch.from_numpy(ids).unsqueeze(0),
+        position_ids=torch.from_numpy(pos).unsqueeze(0),
+        shift_labels=torch.from_numpy(labels).unsqueeze(0),
+        pieces=all_pieces[rank],
+        all_pieces=all_pieces,
+        num_targets=int((labels != IGNORE_INDEX).sum()),
+        global_num_targets=sum(max(len(a) - 1, 0) for a in arrays),
+        rank=rank,
+        num_docs=num_docs,
+    )
+
+
+def _as_tokens(doc: Sequence[int], index: int) -> np.ndarray:
+    if isinstance(doc, torch.Tensor):
+        doc = doc.detach().cpu().numpy()
+    arr = np.asarray(doc, dtype=np.int64)
+    if arr.ndim != 1:
+        raise ValueError(f"document {index} must be a 1-D sequence of token ids, got shape {arr.shape}")
+    return arr
+
+
+def _check_positive(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")

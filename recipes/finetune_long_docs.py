@@ -1,0 +1,274 @@
+"""Fine-tune a Llama-style model on long documents with the HF Trainer and DistCA.
+
+Runs under ``accelerate launch`` or ``torchrun`` (or plain ``python`` for one process). With no
+arguments: a tiny random-init Llama, a tokenizer trained locally, generated long-tailed documents,
+on the CPU. Writes ``<output-dir>/metrics.jsonl`` (one record per optimizer step), a PNG of per-rank
+attention load, and the final model (``save_pretrained``).
+
+    accelerate launch --config_file accelerate_configs/cpu_2proc.yaml recipes/finetune_long_docs.py
+    torchrun --nproc-per-node 2 recipes/finetune_long_docs.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
+
+import hf_distca  # noqa: F401  (registers attn_implementation="distca")
+from hf_distca.callback import DistCACallback
+from hf_distca.config import DistCAConfig
+
+BUILTIN_MODELS = {
+    # name: (config overrides for LlamaConfig), random init, no download
+    "tiny-llama": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=65536,
+    ),
+    "llama3-8b-shaped": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        vocab_size=128256,
+    ),
+}
+ATTN = {"distca": "distca", "sdpa": "sdpa", "flash": "flash_attention_2"}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--model",
+        default="tiny-llama",
+        help="local path, hub id, or a built-in random-init "
+        f"config: {', '.join(BUILTIN_MODELS)} (default: tiny-llama)",
+    )
+    p.add_argument(
+        "--num-layers", type=int, default=None, help="override the layer count of a built-in model"
+    )
+    p.add_argument(
+        "--dataset",
+        default=None,
+        help="hub dataset name, or a local .jsonl/.json/.parquet/.csv/.txt "
+        "file; default: generated long-tailed documents",
+    )
+    p.add_argument("--dataset-split", default="train")
+    p.add_argument("--text-column", default="text")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="default: the model's own; for a built-in model a BPE tokenizer trained locally on the data",
+    )
+    p.add_argument("--num-documents", type=int, default=400, help="generated documents (default data only)")
+    p.add_argument(
+        "--mean-doc-words", type=int, default=300, help="generated documents: mean length in words"
+    )
+    p.add_argument("--max-doc-words", type=int, default=2500, help="generated documents: max length in words")
+    p.add_argument("--tokens-per-rank", type=int, default=2048)
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--max-steps", type=int, default=20)
+    p.add_argument("--learning-rate", type=float, default=3e-3)
+    p.add_argument("--optim", default="adamw_torch", help="TrainingArguments.optim (e.g. adamw_torch, sgd)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-dir", default="outputs/finetune_long_docs")
+    p.add_argument("--attn", choices=sorted(ATTN), default="distca")
+    p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--cpu", action="store_true", help="train on the CPU even if GPUs are present")
+    p.add_argument("--tolerance", type=float, default=0.1, help="DistCA balance tolerance")
+    p.add_argument("--shard-tokens", type=int, default=128, help="DistCA split granularity")
+    p.add_argument(
+        "--kernel", default="auto", help="DistCA kernel backend: auto, reference, torch_varlen, flash_attn"
+    )
+    p.add_argument("--deepspeed", default=None, help="DeepSpeed JSON config (or use an accelerate config)")
+    p.add_argument("--no-save", action="store_true", help="skip saving the final model")
+    return p.parse_args(argv)
+
+
+def build_model(args, vocab_size: int, dtype: torch.dtype):
+    attn = ATTN[args.attn]
+    if args.model in BUILTIN_MODELS:
+        from transformers import LlamaConfig
+
+        overrides = dict(BUILTIN_MODELS[args.model])
+        overrides.setdefault("vocab_size", vocab_size)
+        overrides["vocab_size"] = max(overrides["vocab_size"], vocab_size)
+        if args.num_layers:
+            overrides["num_hidden_layers"] = args.num_layers
+        config = LlamaConfig(**overrides, tie_word_embeddings=False)
+        torch.manual_seed(args.seed)
+        return AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
+    config = AutoConfig.from_pretrained(args.model)
+    if config.vocab_size < vocab_size:
+        raise ValueError(
+            f"tokenizer has {vocab_size} ids but {args.model} only {config.vocab_size} embeddings"
+        )
+    return AutoModelForCausalLM.from_pretrained(args.model, attn_implementation=attn, dtype=dtype)
+
+
+def load_texts(args) -> list[str] | None:
+    """Plain-text documents of the default generated dataset (None when --dataset is given)."""
+    if args.dataset is not None:
+        return None
+    from hf_distca.data import generate_text_documents
+
+    return generate_text_documents(
+        args.num_documents, seed=args.seed, mean_words=args.mean_doc_words, max_words=args.max_doc_words
+    )
+
+
+def load_dataset_rows(args):
+    import datasets
+
+    path = args.dataset
+    ext = os.path.splitext(path)[1].lower()
+    builders = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
+    if os.path.exists(path):
+        if ext not in builders:
+            raise ValueError(f"unsupported local dataset file {path!r}; use one of {sorted(builders)}")
+        ds = datasets.load_dataset(builders[ext], data_files=path, split="train")
+    else:
+        ds = datasets.load_dataset(path, split=args.dataset_split)
+    if args.text_column not in ds.column_names:
+        raise ValueError(
+            f"dataset {path!r} has no column {args.text_column!r} (columns: {ds.column_names}); pass --text-column"
+        )
+    return ds
+
+
+def train_local_tokenizer(texts, vocab_size: int = 2048):
+    """A small byte-level BPE trained on the data itself (no downloads)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<pad>", "<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+
+
+def tokenize(texts_or_rows, tokenizer, text_column: str):
+    """Token-id documents with EOS appended: rows with an ``input_ids`` column (a list of dicts for
+    in-memory texts, a datasets.Dataset for loaded ones)."""
+    eos = tokenizer.eos_token_id
+
+    def encode(texts):
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        return [x + [eos] if eos is not None else x for x in ids]
+
+    if isinstance(texts_or_rows, list):
+        from tqdm.auto import tqdm
+
+        out = []
+        for i in tqdm(range(0, len(texts_or_rows), 256), desc="tokenizing", disable=not _is_main()):
+            out += [{"input_ids": ids} for ids in encode(texts_or_rows[i : i + 256])]
+        return out
+    rows = texts_or_rows
+    return rows.map(
+        lambda batch: {"input_ids": encode(batch[text_column])},
+        batched=True,
+        remove_columns=rows.column_names,
+        desc="tokenizing",
+    )
+
+
+def _is_main() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    use_cpu = args.cpu or not torch.cuda.is_available()
+    training_args = TrainingArguments(
+        output_dir=args.output_dir,
+        max_steps=args.max_steps,
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=args.grad_accum,
+        learning_rate=args.learning_rate,
+        optim=args.optim,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=args.seed,
+        use_cpu=use_cpu,
+        bf16=args.bf16,
+        gradient_checkpointing=args.gradient_checkpointing,
+        remove_unused_columns=False,
+        ddp_find_unused_parameters=False,
+        dataloader_num_workers=0,
+        deepspeed=args.deepspeed,
+        disable_tqdm=False,
+    )
+    texts = load_texts(args)
+    rows = load_dataset_rows(args) if texts is None else None
+    if args.tokenizer:
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    elif args.model in BUILTIN_MODELS:
+        # trained once by the main process and loaded by the others: every rank must get the same ids
+        path = os.path.join(args.output_dir, "tokenizer")
+        with training_args.main_process_first(desc="training the tokenizer"):
+            if training_args.process_index == 0:
+                sample = texts if texts is not None else rows[args.text_column][:5000]
+                train_local_tokenizer(sample).save_pretrained(path)
+            tokenizer = AutoTokenizer.from_pretrained(path)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+    documents = tokenize(texts if texts is not None else rows, tokenizer, args.text_column)
+
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    model = build_model(args, len(tokenizer), dtype)
+    if args.gradient_checkpointing:
+        model.config.use_cache = False
+
+    callback = DistCACallback(
+        args.tokens_per_rank,
+        config=DistCAConfig(tolerance=args.tolerance, shard_tokens=args.shard_tokens, backend=args.kernel),
+        disaggregate=args.attn == "distca",
+        pad_token_id=tokenizer.pad_token_id or 0,
+    )
+    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
+    if training_args.process_index == 0 and os.path.exists(metrics_path):
+        os.remove(metrics_path)
+    trainer = Trainer(model=model, args=training_args, train_dataset=documents, callbacks=[callback])
+    trainer.train()
+    summary = dict(callback.summary, world_size=training_args.world_size, attn=args.attn)
+    if not args.no_save:
+        trainer.save_model(os.path.join(args.output_dir, "model"))
+        if training_args.process_index == 0:
+            tokenizer.save_pretrained(os.path.join(args.output_dir, "model"))
+    if training_args.process_index == 0:
+        print(
+            f"[hf_distca] {summary.get('steps', 0)} steps on {summary['world_size']} rank(s), attn={args.attn}: "
+            f"core-attention imbalance (max/mean over ranks) {summary.get('imbalance_before', 1):.2f} without "
+            f"balancing -> {summary.get('imbalance_after', 1):.2f} with DistCA; final loss "
+            f"{summary.get('final_loss')}; metrics in {metrics_path}",
+            flush=True,
+        )
+        with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+    return summary
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() is not None else 1)

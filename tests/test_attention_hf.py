@@ -1,0 +1,613 @@
+"""attn_implementation="distca" inside real (tiny, random) Transformers models.
+
+The oracle is the same model under SDPA run document by document (each document its own batch of 1),
+so a packed batch must reproduce it exactly up to float32 rounding: logits and the gradient of every
+parameter. Also: packing helpers, padding, save/reload, gradient checkpointing, every refusal, and
+the distributed path (enable_distca + distca_layout) on 1 and 2 processes.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from distributed import run_distributed
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import (
+    AutoModelForCausalLM,
+    DataCollatorWithFlattening,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+import hf_distca
+from hf_distca import DistCAConfig, enable_distca
+from hf_distca.attention import distca_attention_forward, distca_padding_mask
+from hf_distca.kernels import UnsupportedFeatureError
+from hf_distca.packing import (
+    lengths_from_cu_seqlens,
+    lengths_from_position_ids,
+    packed_document_lengths,
+    pieces_from_lengths,
+    scatter_rows,
+    unpad,
+)
+
+# ---------------------------------------------------------------------------------------------------------
+# Tolerances (rtol, atol) for torch.testing.assert_close. Tiny fp32 models (hidden 64, 2 layers,
+# initializer_range 0.2 so attention is far from uniform), documents <= 300 tokens.
+TOL = {
+    # distca vs SDPA per document, float32: same math, different kernels and summation order.
+    "logits": (1e-5, 1e-5),
+    # parameter gradients (sums over hundreds of tokens): rtol 1e-4, and an absolute floor of 1e-5 x the
+    # largest |entry| of that reference gradient, for entries that cancel to near zero. fp32 noise
+    # measured ~1e-6 x max (2 processes, dk/dv summed over tasks and all-reduced).
+    "grads": (1e-4, 1e-5),
+    # same model, same inputs, same code path (save/reload; 1 vs 2 processes when nothing moves).
+    "exact": (0.0, 0.0),
+}
+# ---------------------------------------------------------------------------------------------------------
+
+CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}
+DOC_SETS = {
+    # length-1 documents, odd lengths, one long (~300) document
+    "mixed": [1, 7, 300, 2, 33, 1, 64, 5],
+    # many short documents (seeded random lengths 1..12)
+    "many_short": torch.randint(1, 13, (40,), generator=torch.Generator().manual_seed(7)).tolist(),
+}
+
+
+def tiny_config(arch: str, **overrides):
+    kwargs = dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=128,
+        max_position_embeddings=1024,
+        initializer_range=0.2,
+        attention_dropout=0.0,
+    )
+    if arch == "mistral":
+        kwargs["sliding_window"] = None
+    kwargs.update(overrides)
+    return CONFIGS[arch](**kwargs)
+
+
+def tiny_model(arch: str, attn: str = "distca", seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), attn_implementation=attn)
+    return model.float()
+
+
+def random_docs(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 128, (n,), generator=g).tolist() for n in lengths]
+
+
+def packed_batch(docs: list[list[int]]) -> dict:
+    return DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": d} for d in docs])
+
+
+def doc_loss_sum(logits: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    """Summed next-token cross entropy inside one document. logits: (L, V)."""
+    if len(ids) < 2:
+        return logits.sum() * 0
+    return F.cross_entropy(logits[:-1].float(), torch.tensor(ids[1:]), reduction="sum")
+
+
+def n_labels(docs: list[list[int]]) -> int:
+    return sum(len(d) - 1 for d in docs)
+
+
+def grads_of(model) -> dict[str, torch.Tensor]:
+    out = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def per_document_reference(model, docs: list[list[int]]) -> tuple[torch.Tensor, dict]:
+    """Oracle: SDPA, one document per forward; logits concatenated (1, T, V); grads of the mean loss."""
+    model.set_attn_implementation("sdpa")
+    model.zero_grad(set_to_none=True)
+    logits, loss = [], 0.0
+    for d in docs:
+        out = model(input_ids=torch.tensor([d]), use_cache=False).logits  # (1, L, V)
+        logits.append(out.detach())
+        loss = loss + doc_loss_sum(out[0], d)
+    (loss / n_labels(docs)).backward()
+    return torch.cat(logits, dim=1), grads_of(model)
+
+
+def packed_run(model, docs, **inputs) -> tuple[torch.Tensor, dict]:
+    """distca on one packed row; the loss is split by document exactly like the oracle's."""
+    model.set_attn_implementation("distca")
+    model.zero_grad(set_to_none=True)
+    logits = model(**inputs, use_cache=False).logits  # (1, T, V)
+    pieces = logits[0].split([len(d) for d in docs])
+    loss = sum(doc_loss_sum(lg, d) for lg, d in zip(pieces, docs))
+    (loss / n_labels(docs)).backward()
+    return logits.detach(), grads_of(model)
+
+
+def assert_grads_close(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys() and len(got) > 0
+    rtol, scale = TOL["grads"]
+    for name in want:
+        atol = scale * float(want[name].abs().max())
+        torch.testing.assert_close(
+            got[name], want[name], rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
+def assert_logits_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    rtol, atol = TOL["logits"]
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# packing helpers
+
+
+def test_lengths_from_position_ids():
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 0, 1, 5, 6]])
+    # restarts at 0, and a jump (1 -> 5) also starts a new document
+    assert lengths_from_position_ids(pos) == [3, 2, 1, 2, 2]
+    assert lengths_from_position_ids(torch.tensor([4, 5, 6])) == [3]  # offset start: one document
+    assert lengths_from_position_ids(torch.tensor([], dtype=torch.long)) == []
+
+
+def test_lengths_from_cu_seqlens_validates():
+    assert lengths_from_cu_seqlens(torch.tensor([0, 3, 3, 8]), torch.tensor([0, 3, 3, 8]), total=8) == [
+        3,
+        0,
+        5,
+    ]
+    with pytest.raises(ValueError, match="cu_seq_lens_q and cu_seq_lens_k differ"):
+        lengths_from_cu_seqlens([0, 3, 8], [0, 4, 8])
+    with pytest.raises(ValueError, match="covers 8 tokens but the packed row holds 9"):
+        lengths_from_cu_seqlens([0, 3, 8], total=9)
+    with pytest.raises(ValueError, match="must start at 0"):
+        lengths_from_cu_seqlens([1, 3])
+    with pytest.raises(ValueError, match="non-decreasing"):
+        lengths_from_cu_seqlens([0, 3, 2])
+
+
+def test_packed_document_lengths_sources():
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    pos = torch.tensor([[0, 1, 2, 0, 1]])
+    # cu_seq_lens win over position ids
+    assert packed_document_lengths(1, 5, cu_seq_lens_q=cu, cu_seq_lens_k=cu, position_ids=pos) == [2, 3]
+    assert packed_document_lengths(1, 5, position_ids=pos) == [3, 2]
+    assert packed_document_lengths(2, 5, position_ids=pos) == [3, 2, 3, 2]  # (1, S) broadcast to rows
+    assert packed_document_lengths(2, 5, position_ids=torch.tensor([[0, 1, 2, 3, 4], [0, 1, 0, 1, 2]])) == [
+        5,
+        2,
+        3,
+    ]
+    assert packed_document_lengths(3, 4) == [4, 4, 4]
+    with pytest.raises(ValueError, match="must have batch size 1"):
+        packed_document_lengths(2, 5, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    assert pieces_from_lengths([3, 0, 2]) == [(0, 0, 3), (1, 0, 2)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.booleans(), min_size=5, max_size=5), min_size=1, max_size=4))
+def test_unpad_scatter_roundtrip(mask_rows):
+    mask = torch.tensor(mask_rows)  # (B, 5), any padding pattern including fully padded rows
+    x = torch.randn(mask.shape[0], 5, 3)
+    u = unpad(mask)
+    assert u.lengths == mask.sum(1).tolist()
+    flat = x.reshape(-1, 3)[u.indices]  # (T, 3)
+    assert flat.shape[0] == int(mask.sum())
+    back = scatter_rows(flat, u).view_as(x)
+    torch.testing.assert_close(back, x * mask.unsqueeze(-1), rtol=0, atol=0)
+
+
+def test_padding_mask_function():
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    got = distca_padding_mask(batch_size=2, q_length=3, kv_length=3, attention_mask=mask, dtype=torch.float32)
+    assert got.dtype == torch.bool and got.tolist() == [[True, True, False], [True, True, True]]
+    assert distca_padding_mask(2, 3, 3, attention_mask=torch.ones(2, 3, dtype=torch.bool)) is None
+    assert distca_padding_mask(2, 3, 3, attention_mask=None) is None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# packed batches == per-document SDPA, for four architectures
+
+
+@pytest.mark.parametrize("docset", sorted(DOC_SETS))
+@pytest.mark.parametrize("source", ["cu_seq_lens", "position_ids"])
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_packed_matches_per_document_sdpa(arch, source, docset):
+    docs = random_docs(DOC_SETS[docset], seed=len(arch))
+    model = tiny_model(arch)
+    ref_logits, ref_grads = per_document_reference(model, docs)
+    batch = packed_batch(docs)
+    inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+    if source == "cu_seq_lens":
+        inputs.update(
+            {k: batch[k] for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")}
+        )
+    logits, grads = packed_run(model, docs, **inputs)
+    assert logits.shape == ref_logits.shape == (1, sum(map(len, docs)), 128)
+    assert ref_logits.std() > 0.5  # the model is far from trivial (initializer_range 0.2)
+    assert_logits_close(logits, ref_logits)
+    assert_grads_close(grads, ref_grads)
+
+
+def test_document_boundaries_matter():
+    """Guard against a vacuous oracle: ignoring boundaries (one causal row) is far outside tolerance."""
+    docs = random_docs(DOC_SETS["mixed"])
+    model = tiny_model("llama")
+    ref_logits, _ = per_document_reference(model, docs)
+    model.set_attn_implementation("distca")
+    ids = packed_batch(docs)["input_ids"]
+    with torch.no_grad():
+        one_row = model(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None]).logits
+    assert (one_row - ref_logits).abs().max() > 100 * TOL["logits"][1]
+
+
+def test_collator_labels_give_the_same_loss():
+    """HF's own loss on the collator's labels (-100 at document starts) equals the per-document loss."""
+    docs = random_docs(DOC_SETS["mixed"], seed=3)
+    model = tiny_model("llama")
+    with torch.no_grad():
+        out = model(**packed_batch(docs))
+        pieces = out.logits[0].split([len(d) for d in docs])
+        want = sum(doc_loss_sum(lg, d) for lg, d in zip(pieces, docs)) / n_labels(docs)
+    torch.testing.assert_close(out.loss, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:.*(gradient|activation)_checkpointing.*:FutureWarning")
+def test_gradient_checkpointing():
+    docs = random_docs(DOC_SETS["mixed"], seed=5)
+    model = tiny_model("llama")
+    model.train()
+    ref_logits, ref_grads = per_document_reference(model, docs)
+    model.gradient_checkpointing_enable()
+    assert model.is_gradient_checkpointing
+    batch = packed_batch(docs)
+    logits, grads = packed_run(model, docs, **{k: v for k, v in batch.items() if k != "labels"})
+    assert_logits_close(logits, ref_logits)
+    assert_grads_close(grads, ref_grads)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# sliding window (Mistral): exact while every document fits the window, refused otherwise
+
+
+def test_sliding_window_not_shorter_than_documents_is_exact():
+    docs = random_docs(DOC_SETS["mixed"], seed=11)  # longest document: 300 tokens
+    model = tiny_model("mistral", sliding_window=300)
+    ref_logits, ref_grads = per_document_reference(model, docs)
+    logits, grads = packed_run(model, docs, **{k: v for k, v in packed_batch(docs).items() if k != "labels"})
+    assert_logits_close(logits, ref_logits)
+    assert_grads_close(grads, ref_grads)
+
+
+def test_sliding_window_shorter_than_a_document_raises():
+    docs = random_docs(DOC_SETS["mixed"], seed=11)
+    model = tiny_model("mistral", sliding_window=299)
+    with pytest.raises(
+        UnsupportedFeatureError, match=r"document of 300 tokens is longer than .* window \(299\)"
+    ):
+        model(**packed_batch(docs))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# loading paths
+
+
+def test_save_and_reload_with_distca(tmp_path):
+    docs = random_docs(DOC_SETS["mixed"], seed=13)
+    model = tiny_model("qwen3")
+    model.eval()
+    batch = {k: v for k, v in packed_batch(docs).items() if k != "labels"}
+    with torch.no_grad():
+        before = model(**batch).logits
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="distca", dtype=torch.float32
+    )
+    assert reloaded.config._attn_implementation == "distca"
+    with torch.no_grad():
+        after = reloaded(**batch).logits
+    rtol, atol = TOL["exact"]
+    torch.testing.assert_close(after, before, rtol=rtol, atol=atol)
+
+
+def test_set_attn_implementation_switches_to_distca(monkeypatch):
+    import hf_distca.attention as attention
+
+    calls = []
+    real = attention.core_attention
+    monkeypatch.setattr(attention, "core_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = tiny_model("qwen2", attn="sdpa")
+    assert model.config._attn_implementation == "sdpa"
+    docs = random_docs([17, 40], seed=17)
+    ref_logits, _ = per_document_reference(model, docs)
+    model.set_attn_implementation("distca")
+    assert model.config._attn_implementation == "distca"
+    with torch.no_grad():
+        logits = model(**{k: v for k, v in packed_batch(docs).items() if k != "labels"}).logits
+        single = model(input_ids=torch.tensor([docs[1]])).logits  # no kwargs: the row is one document
+    assert len(calls) == 2 * model.config.num_hidden_layers
+    assert_logits_close(logits, ref_logits)
+    assert_logits_close(single, ref_logits[:, len(docs[0]) :])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# padded batches (batch > 1): unpadded into one document per row
+
+
+@pytest.mark.parametrize(
+    ("arch", "positions"), [("llama", "restarting"), ("qwen3", "restarting"), ("llama", "default")]
+)
+def test_padded_batch_matches_unpadded_rows(arch, positions):
+    rows = random_docs([9, 7, 12], seed=19)
+    seq = 12
+    ids = torch.zeros(3, seq, dtype=torch.long)
+    mask = torch.zeros(3, seq, dtype=torch.long)
+    ids[0, :9], mask[0, :9] = torch.tensor(rows[0]), 1  # right padding
+    ids[1, 5:], mask[1, 5:] = torch.tensor(rows[1]), 1  # left padding
+    ids[2], mask[2] = torch.tensor(rows[2]), 1  # no padding
+    # "restarting": what generate() passes (positions count valid tokens); "default": none passed, so
+    # Transformers uses 0..S-1 and only the padding mask (which must reach the attention) keeps the
+    # left-padded row away from its pad tokens. RoPE is relative: a shifted row gives the same scores.
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0) if positions == "restarting" else None
+    valid = mask.bool()
+
+    model = tiny_model(arch)
+    ref_logits, ref_grads = per_document_reference(model, rows)  # (1, 28, V)
+    model.set_attn_implementation("distca")
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False).logits
+    got = logits[valid]  # (28, V), rows in order
+    pieces = got.split([len(r) for r in rows])
+    (sum(doc_loss_sum(lg, r) for lg, r in zip(pieces, rows)) / n_labels(rows)).backward()
+    assert_logits_close(got.detach(), ref_logits[0])
+    assert_grads_close(grads_of(model), ref_grads)
+
+
+def test_padded_positions_get_zero_attention_output():
+    module = torch.nn.Module()
+    q = torch.randn(2, 4, 5, 8)
+    k, v = torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+    mask = torch.tensor([[True, True, True, False, False], [False, True, True, True, True]])
+    out, weights = distca_attention_forward(module, q, k, v, mask, scaling=0.3)
+    assert weights is None and out.shape == (2, 5, 4, 8)
+    assert out[~mask].abs().max() == 0
+    assert out[mask].abs().min() > 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# refusals: each raises the promised error
+
+
+def _qkv(batch=1, seq=6, kv_seq=None):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, 4, seq, 8, generator=g)
+    k = torch.randn(batch, 2, kv_seq or seq, 8, generator=g)
+    return q, k, k.clone()
+
+
+def _module(training=False, is_causal=True):
+    module = torch.nn.Module()
+    module.is_causal = is_causal
+    module.train(training)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("module_kwargs", "call_kwargs", "error", "match"),
+    [
+        ({}, {"softcap": 30.0}, UnsupportedFeatureError, "softcapping"),
+        ({}, {"s_aux": torch.zeros(4)}, UnsupportedFeatureError, "sinks"),
+        ({"training": True}, {"dropout": 0.1}, UnsupportedFeatureError, "attention_dropout=0.0"),
+        ({"is_causal": False}, {}, UnsupportedFeatureError, "only computes causal"),
+        ({}, {"sliding_window": 4}, UnsupportedFeatureError, "longer than the model's sliding window"),
+        ({}, {"distca_layout": types.SimpleNamespace(pieces=[(0, 0, 6)], all_pieces=[[(0, 0, 6)]])},
+         RuntimeError, r"hf_distca.enable_distca\(model, group=...\)"),
+        ({}, {"cu_seq_lens_q": torch.tensor([0, 2, 6]), "cu_seq_lens_k": torch.tensor([0, 3, 6])},
+         ValueError, "cross-attention"),
+        ({}, {"cu_seq_lens_q": torch.tensor([0, 2, 5])}, ValueError, "covers 5 tokens"),
+    ],
+)  # fmt: skip
+def test_refusals_direct_call(module_kwargs, call_kwargs, error, match):
+    q, k, v = _qkv()
+    with pytest.raises(error, match=match):
+        distca_attention_forward(_module(**module_kwargs), q, k, v, None, **call_kwargs)
+
+
+def test_dropout_is_fine_in_eval_and_window_is_fine_when_it_fits():
+    q, k, v = _qkv()
+    out, _ = distca_attention_forward(_module(training=False), q, k, v, None, dropout=0.1, sliding_window=6)
+    ref, _ = distca_attention_forward(_module(), q, k, v, None)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+def test_cross_attention_raises():
+    q, k, v = _qkv(seq=4, kv_seq=6)
+    with pytest.raises(UnsupportedFeatureError, match="cross-attention and generation with a KV cache"):
+        distca_attention_forward(_module(), q, k, v, None)
+
+
+def test_batch_above_one_with_packing_kwargs_raises():
+    q, k, v = _qkv(batch=2)
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    with pytest.raises(
+        ValueError, match="packed batches must have batch size 1; use .*DataCollatorWithFlattening"
+    ):
+        distca_attention_forward(_module(), q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+
+
+def test_padding_mask_with_packing_kwargs_raises():
+    q, k, v = _qkv()
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0]])
+    with pytest.raises(ValueError, match="pass one"):
+        distca_attention_forward(_module(), q, k, v, mask, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+
+
+def test_float_mask_raises():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="boolean or 0/1 integer padding mask"):
+        distca_attention_forward(_module(), q, k, v, torch.zeros(1, 6))
+
+
+def test_4d_mask_raises_in_model():
+    model = tiny_model("llama")
+    ids = torch.randint(0, 128, (1, 6))
+    mask = torch.ones(1, 1, 6, 6, dtype=torch.bool).tril()
+    with pytest.raises(ValueError, match="4-D attention mask"):
+        model(input_ids=ids, attention_mask=mask)
+
+
+def test_training_with_attention_dropout_raises_in_model():
+    model = tiny_model("llama", attention_dropout=0.1)
+    model.train()
+    with pytest.raises(UnsupportedFeatureError, match="attention dropout"):
+        model(input_ids=torch.randint(0, 128, (1, 6)))
+    model.eval()
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=torch.randint(0, 128, (1, 6))).logits).all()
+
+
+def test_generation_with_kv_cache_raises():
+    model = tiny_model("llama")
+    model.eval()
+    with pytest.raises(UnsupportedFeatureError, match="KV cache"):
+        model.generate(torch.randint(0, 128, (1, 5)), max_new_tokens=3, do_sample=False)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# distributed path: enable_distca + distca_layout
+
+
+def _layout(pieces_per_rank, rank):
+    return types.SimpleNamespace(pieces=pieces_per_rank[rank], all_pieces=pieces_per_rank)
+
+
+def _rank_inputs(docs, pieces):
+    ids = [t for doc, start, n in pieces for t in docs[doc][start : start + n]]
+    pos = [p for _, start, n in pieces for p in range(start, start + n)]
+    return torch.tensor([ids]), torch.tensor([pos])
+
+
+def _global_rows(docs, pieces):
+    """Rows of this rank's tokens in the concatenation of all documents."""
+    offsets = [0]
+    for d in docs:
+        offsets.append(offsets[-1] + len(d))
+    return torch.tensor([offsets[doc] + start + i for doc, start, n in pieces for i in range(n)])
+
+
+def test_enable_distca_warns_when_model_does_not_use_distca():
+    model = tiny_model("llama", attn="sdpa")
+    with pytest.warns(UserWarning, match=r"set_attn_implementation\('distca'\)"):
+        enable_distca(model)
+
+
+def test_distributed_path_refuses_documents_longer_than_the_window():
+    module = _module()
+    enable_distca(module)
+    q, k, v = _qkv(seq=6)
+    # document 0 is 10 tokens long in total (4 of them held by another rank): longer than the window
+    layout = types.SimpleNamespace(pieces=[(0, 4, 6)], all_pieces=[[(0, 4, 6)], [(0, 0, 4)]])
+    with pytest.raises(UnsupportedFeatureError, match=r"document of 10 tokens .* sliding window \(8\)"):
+        distca_attention_forward(module, q, k, v, None, sliding_window=8, distca_layout=layout)
+
+
+def test_layout_without_runtime_raises_in_model():
+    model = tiny_model("llama")
+    pieces = [[(0, 0, 6)]]
+    with pytest.raises(RuntimeError, match="enable_distca"):
+        model(input_ids=torch.randint(0, 128, (1, 6)), distca_layout=_layout(pieces, 0))
+
+
+def test_distributed_path_single_process():
+    """One process, group=None: a layout that cuts a document into two local pieces gives the oracle."""
+    docs = random_docs([30, 9, 41], seed=23)
+    model = tiny_model("llama")
+    ref_logits, ref_grads = per_document_reference(model, docs)
+    model.set_attn_implementation("distca")
+    runtime = enable_distca(model, config=DistCAConfig(shard_tokens=8))
+    assert all(m.distca_runtime is runtime for m in model.modules())
+    assert copy.deepcopy(model).model.layers[0].self_attn.distca_runtime is runtime
+    pieces = [[(0, 0, 12), (0, 12, 18), (1, 0, 9), (2, 0, 41)]]
+    ids, pos = _rank_inputs(docs, pieces[0])
+    logits = model(input_ids=ids, position_ids=pos, distca_layout=_layout(pieces, 0), use_cache=False).logits
+    split = logits[0].split([len(d) for d in docs])
+    (sum(doc_loss_sum(lg, d) for lg, d in zip(split, docs)) / n_labels(docs)).backward()
+    assert_logits_close(logits.detach(), ref_logits)
+    assert_grads_close(grads_of(model), ref_grads)
+
+
+def _two_rank_worker(rank: int, world: int, docs, pieces_per_rank, local_docs_per_rank):
+    import torch.distributed as dist
+
+    # 1. without enable_distca, each rank computes its own batch and never communicates (the ranks
+    #    hold different numbers of documents, so a stray collective would fail or hang)
+    model = tiny_model("llama")
+    local_docs = local_docs_per_rank[rank]
+    with torch.no_grad():
+        local = model(**{k: v for k, v in packed_batch(local_docs).items() if k != "labels"}).logits
+
+    # 2. with enable_distca and a layout, documents cut across ranks match the single-process oracle
+    runtime = enable_distca(model, group=dist.group.WORLD, config=DistCAConfig(shard_tokens=8, tolerance=0.0))
+    assert copy.deepcopy(model).model.layers[0].self_attn.distca_runtime is runtime
+    pieces = pieces_per_rank[rank]
+    ids, pos = _rank_inputs(docs, pieces)
+    logits = model(
+        input_ids=ids, position_ids=pos, distca_layout=_layout(pieces_per_rank, rank), use_cache=False
+    )
+    logits = logits.logits  # (1, T_rank, V)
+    weights = torch.randn(sum(map(len, docs)), 128, generator=torch.Generator().manual_seed(29))  # (T, V)
+    (logits[0] * weights[_global_rows(docs, pieces)]).sum().backward()
+    grads = grads_of(model)
+    for g in grads.values():
+        dist.all_reduce(g)
+    return {"local": local, "logits": logits.detach(), "grads": grads}
+
+
+def test_two_processes_local_and_distributed():
+    docs = random_docs([40, 25, 9], seed=31)
+    # rank 0 holds the head of document 0 and document 2; rank 1 the tail of document 0 and document 1
+    pieces_per_rank = [[(0, 0, 20), (2, 0, 9)], [(0, 20, 20), (1, 0, 25)]]
+    local_docs_per_rank = [random_docs([5, 11], seed=37), random_docs([3, 4, 20], seed=41)]
+    results = run_distributed(_two_rank_worker, 2, docs, pieces_per_rank, local_docs_per_rank, timeout=240.0)
+
+    model = tiny_model("llama")
+    with torch.no_grad():
+        for rank in range(2):
+            want = model(
+                **{k: v for k, v in packed_batch(local_docs_per_rank[rank]).items() if k != "labels"}
+            )
+            assert_logits_close(results[rank]["local"], want.logits)
+
+    # oracle: every document alone under SDPA, the same linear functional of the logits
+    model.set_attn_implementation("sdpa")
+    ref = torch.cat([model(input_ids=torch.tensor([d]), use_cache=False).logits[0] for d in docs])  # (T, V)
+    weights = torch.randn(ref.shape, generator=torch.Generator().manual_seed(29))
+    (ref * weights).sum().backward()
+    ref_grads = grads_of(model)
+    for rank in range(2):
+        rows = _global_rows(docs, pieces_per_rank[rank])
+        assert_logits_close(results[rank]["logits"][0], ref[rows].detach())
+        assert_grads_close(results[rank]["grads"], ref_grads)
+
+
+def test_package_exports():
+    assert hf_distca.distca_attention_forward is distca_attention_forward
+    assert hf_distca.enable_distca is enable_distca
+    assert {"distca_attention_forward", "enable_distca"} <= set(hf_distca.__all__)
+    assert math.isfinite(DistCAConfig().tolerance)

@@ -1,0 +1,246 @@
+"""core_attention on 2 and 4 gloo processes against the single-process oracle.
+
+One spawn per world size; every case runs inside it (spawning costs seconds). Each rank returns its
+outputs, the gradients of loss = sum(out * w) (w sliced per rank from one global tensor) and the
+engine metrics; the parent compares them with
+- the oracle (plain per-document attention, float64) on the concatenated documents, and
+- an exact replay of the plan: the reference kernel run per CA-task in this process, which the engine
+  must reproduce bit for bit (it only moves rows around that kernel),
+and checks the plan really moved work, the metrics against the plan, and the error cases.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed import run_distributed
+from oracle import TOL, Layout, assert_close, named_layouts, oracle_with_grads, random_qkv
+
+from hf_distca import DistCAConfig, PieceError, core_attention, metrics, plan_core_attention
+from hf_distca.engine import clear_plan_cache
+from hf_distca.kernels import reference_varlen_attention
+
+D = 8
+HEADS = {"gqa": (4, 2), "mha": (3, 3)}
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32}
+SPAWN_TIMEOUT = 150  # seconds; a hang (e.g. one rank raising alone) fails instead of blocking the suite
+
+
+# ------------------------------------------------------------------------------------ worker (ranks)
+def _attention_case(rank: int, case: dict) -> dict:
+    layout: Layout = case["layout"]
+    hq, hkv = HEADS[case["heads"]]
+    q_all, k_all, v_all, w_all = random_qkv(layout.total, hq, hkv, D, DTYPES[case["dtype"]], case["seed"])
+    rows = torch.as_tensor(layout.rows(rank))
+    q, k, v = (t[rows].clone().requires_grad_(True) for t in (q_all, k_all, v_all))
+    all_pieces = case.get("all_pieces", {}).get(rank)
+    clear_plan_cache()
+    metrics.reset()
+    for _ in range(case.get("repeat", 1)):  # "layers": the plan is made once and reused
+        out = core_attention(q, k, v, layout.pieces[rank], config=case["config"], all_pieces=all_pieces)
+    forward = metrics.snapshot()
+    (out * w_all[rows]).sum().backward()
+    return {
+        "out": out.detach(),
+        "dq": q.grad,
+        "dk": k.grad,
+        "dv": v.grad,
+        "forward": forward,
+        "total": metrics.snapshot(),
+    }
+
+
+def _engine_worker(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    results = []
+    for case in cases:
+        try:
+            if case["kind"] == "attention":
+                results.append(_attention_case(rank, case))
+            else:  # malformed input: only the raised error matters
+                q = torch.zeros(case["tokens"][rank], 2, D)
+                k = torch.zeros(case["tokens"][rank], 1, D)
+                all_pieces = case.get("all_pieces", {}).get(rank)
+                core_attention(q, k, k, case["pieces"][rank], config=case["config"], all_pieces=all_pieces)
+                results.append({"error": None})
+        except Exception as err:  # noqa: BLE001 - reported to the parent, which asserts on it
+            results.append({"error": type(err).__name__, "message": str(err)})
+    return results
+
+
+# --------------------------------------------------------------------------------------------- cases
+def _attention_cases(world: int) -> list[dict]:
+    cases = []
+    for i, layout in enumerate(named_layouts(world, seed=11)):
+        for combo, (heads, dtype) in enumerate(
+            [("gqa", "fp64"), ("mha", "fp32"), ("mha", "fp64"), ("gqa", "fp32")]
+        ):
+            shard = 8 if combo % 2 == 0 else 16
+            tol = 0.1
+            if layout.name == "giant":  # balance reachable: shard x longest doc < tol x mean load
+                shard, tol = 8, 0.3
+            config = DistCAConfig(shard_tokens=shard, tolerance=tol, backend="reference")
+            cases.append(
+                {"kind": "attention", "layout": layout, "heads": heads, "dtype": dtype, "seed": 100 * i + combo,
+                 "config": config}
+            )  # fmt: skip
+    giant = next(c["layout"] for c in cases if c["layout"].name == "giant")
+    # three layers with one plan; the debug all-gather of the plan digest; pieces passed by the caller
+    cases.append(
+        {"kind": "attention", "name": "repeat+verify", "layout": giant, "heads": "gqa", "dtype": "fp64", "seed": 5,
+         "repeat": 3, "config": DistCAConfig(shard_tokens=8, tolerance=0.3, verify_plan=True)}
+    )  # fmt: skip
+    cases.append(
+        {"kind": "attention", "name": "all_pieces", "layout": giant, "heads": "mha", "dtype": "fp32", "seed": 6,
+         "all_pieces": dict.fromkeys(range(world), giant.pieces), "config": DistCAConfig(shard_tokens=16)}
+    )  # fmt: skip
+    # no move at all (huge tolerance): the rank without tokens has no task either; with 4 ranks documents
+    # span ranks, so KV still travels and the idle rank must join both exchanges, forward and backward
+    empty = next(c["layout"] for c in cases if c["layout"].name == "empty_rank")
+    cases.append(
+        {"kind": "attention", "name": "idle_server", "layout": empty, "heads": "gqa", "dtype": "fp64", "seed": 8,
+         "config": DistCAConfig(shard_tokens=8, tolerance=9.0)}
+    )  # fmt: skip
+    # balanced and every document local: nothing is exchanged at all
+    local = Layout("local_only", list(range(2 * world)), [13, 30] * world,
+                   [[(2 * r, 0, 13), (2 * r + 1, 0, 30)] for r in range(world)])  # fmt: skip
+    cases.append(
+        {"kind": "attention", "name": "local_only", "layout": local, "heads": "mha", "dtype": "fp32", "seed": 9,
+         "config": DistCAConfig(shard_tokens=8)}
+    )  # fmt: skip
+    return cases
+
+
+def _error_cases(world: int) -> list[dict]:
+    """Malformed inputs. Every rank must raise (a rank that raises alone leaves the others hanging)."""
+    rest = [[(10 + r, 0, 4)] for r in range(2, world)]  # other ranks hold valid pieces
+    tokens = [10, 10] + [4] * (world - 2)
+    cfg = DistCAConfig(shard_tokens=8)
+    verify_cfg = DistCAConfig(shard_tokens=8, verify_plan=True)
+    # for the verify case every rank passes all_pieces consistent with its own pieces but lying about
+    # another rank's: plans differ, the digest all-gather must catch it
+    truth = [[(0, 0, 10)], [(1, 0, 10)], *rest]
+    lie = [[(0, 0, 10)], [(2, 0, 5), (3, 0, 5)], *rest]
+    return [
+        {"kind": "error", "name": "overlap", "pieces": [[(0, 0, 10)], [(0, 5, 10)], *rest], "tokens": tokens,
+         "config": cfg, "expect": ("PieceError", "held twice")},
+        {"kind": "error", "name": "gap", "pieces": [[(0, 0, 10)], [(0, 12, 10)], *rest], "tokens": tokens,
+         "config": cfg, "expect": ("PieceError", "gap")},
+        {"kind": "error", "name": "negative", "pieces": [[(0, 0, 10)], [(1, -2, 10)], *rest], "tokens": tokens,
+         "config": cfg, "expect": ("PieceError", "negative field")},
+        {"kind": "error", "name": "count", "pieces": [[(0, 0, 9)], [(1, 0, 10)], *rest], "tokens": tokens,
+         "config": cfg, "expect": ("ValueError", None)},
+        {"kind": "error", "name": "verify", "pieces": truth, "tokens": tokens, "config": verify_cfg,
+         "all_pieces": {r: (lie if r == 0 else truth) for r in range(world)},
+         "expect": ("RuntimeError", "ranks computed different plans")},
+    ]  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------ parent checks
+def _exact_replay(layout: Layout, plan, q_all, k_all, v_all) -> torch.Tensor:
+    """Every CA-task of the plan through the reference kernel, one task at a time, in this process."""
+    out = torch.full_like(q_all, float("nan"))
+    offsets = layout.offsets()
+    for tasks in plan.tasks:
+        for t in tasks:
+            base = offsets[t.doc_id]
+            qs = q_all[base + t.q_start : base + t.q_end]
+            ks, vs = k_all[base : base + t.q_end], v_all[base : base + t.q_end]
+            cu_q = torch.tensor([0, t.q_len], dtype=torch.int32)
+            cu_k = torch.tensor([0, t.q_end], dtype=torch.int32)
+            out[base + t.q_start : base + t.q_end] = reference_varlen_attention(
+                qs, ks, vs, cu_q, cu_k, t.q_len, t.q_end, scale=D**-0.5
+            )
+    return out
+
+
+def _check_attention_case(case: dict, per_rank: list[dict], world: int) -> dict:
+    layout: Layout = case["layout"]
+    hq, hkv = HEADS[case["heads"]]
+    dtype = DTYPES[case["dtype"]]
+    label = f"{case.get('name', layout.name)}/{case['heads']}/{case['dtype']}/world={world}"
+    q_all, k_all, v_all, w_all = random_qkv(layout.total, hq, hkv, D, dtype, case["seed"])
+    ref = oracle_with_grads(q_all, k_all, v_all, w_all, layout.doc_lens)
+    elem = q_all.element_size()
+    plan = plan_core_attention(
+        layout.pieces, q_row_bytes=hq * D * elem, kv_row_bytes=2 * hkv * D * elem, config=case["config"]
+    )
+    exact = _exact_replay(layout, plan, q_all, k_all, v_all)
+    repeat = case.get("repeat", 1)
+    flops_per_pair = 4.0 * hq * D
+    for rank, res in enumerate(per_rank):
+        assert res.get("error") is None, f"{label} rank {rank}: {res}"
+        rows = torch.as_tensor(layout.rows(rank))
+        for name, got, want in zip(
+            ("out", "dq", "dk", "dv"), (res["out"], res["dq"], res["dk"], res["dv"]), ref
+        ):
+            assert got.dtype == dtype and got.shape[0] == len(rows)
+            assert_close(got, want[rows], case["dtype"], f"{label} rank {rank} {name}")
+        assert_close(res["out"], exact[rows], "exact", f"{label} rank {rank} out vs replay")
+        # metrics: per-server FLOPs of the plan, bytes as counted by comm.py: forward = the plan's
+        # bytes_sent per call; backward mirrors each exchange with the splits swapped, so this rank
+        # then sends what it received in the forward: + bytes_received (summed over ranks: twice).
+        fwd, total = res["forward"], res["total"]
+        assert (fwd.calls, fwd.plans, total.calls) == (repeat, 1, repeat), label
+        assert fwd.flops_before == [repeat * flops_per_pair * x for x in plan.load_before], label
+        assert fwd.flops_after == [repeat * flops_per_pair * x for x in plan.load_after], label
+        assert fwd.bytes_sent == repeat * plan.bytes_sent[rank], label
+        assert total.bytes_sent == repeat * plan.bytes_sent[rank] + plan.bytes_received[rank], label
+    cfg = case["config"]
+    mean = sum(plan.load_before) / world
+    achievable = cfg.shard_tokens * max(layout.doc_lens) < cfg.tolerance * mean  # see test_planner
+    if achievable:
+        assert plan.imbalance_after <= (1 + cfg.tolerance) * (1 + TOL["balance"][0]), label
+    return {"name": case.get("name", layout.name), "moves": plan.moves, "moved": plan.load_after != plan.load_before,
+            "achievable": achievable, "bytes": sum(plan.bytes_sent)}  # fmt: skip
+
+
+def _check_error_case(case: dict, per_rank: list[dict], world: int) -> None:
+    cls, pattern = case["expect"]
+    for rank, res in enumerate(per_rank):
+        where = f"{case['name']} rank {rank}: {res}"
+        assert res["error"] == cls, where
+        if pattern:
+            assert pattern in res["message"], where
+    if case["name"] == "count":  # the offending rank names its mistake, the others name the rank
+        assert "pieces cover 9 tokens but q holds 10" in per_rank[0]["message"]
+        assert all("rank(s) [0]" in res["message"] for res in per_rank[1:])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_engine_distributed(world):
+    attention = _attention_cases(world)
+    errors = _error_cases(world)
+    # errors in the middle: the group must still work after every rank raised
+    cases = attention[:4] + errors + attention[4:]
+    results = run_distributed(_engine_worker, world, cases, timeout=SPAWN_TIMEOUT)
+    summaries = []
+    threads = torch.get_num_threads()
+    # single-threaded like the ranks: the exact replay then runs the kernel with the same bits, and
+    # small kernels are faster on one thread anyway (two threads thrash on a busy 2-core machine)
+    torch.set_num_threads(1)
+    try:
+        for i, case in enumerate(cases):
+            per_rank = [results[r][i] for r in range(world)]
+            if case["kind"] == "attention":
+                summaries.append(_check_attention_case(case, per_rank, world))
+            else:
+                _check_error_case(case, per_rank, world)
+    finally:
+        torch.set_num_threads(threads)
+    # the engine really moved work: not a test that passes because nothing moved
+    by_name = {}
+    for s in summaries:
+        by_name.setdefault(s["name"], []).append(s)
+    assert all(s["moves"] > 0 and s["moved"] and s["bytes"] > 0 for s in by_name["giant"])
+    assert all(s["achievable"] for s in by_name["giant"])  # so the balance assertion ran there
+    moving = [(s["name"], s["moves"]) for s in summaries]
+    assert sum(m > 0 for _, m in moving) >= len(moving) // 2, moving
+    # and the two special cases are what they claim to be
+    # (with 2 ranks the other rank holds every document: no exchange, the idle rank's k/v must still get
+    # zero gradients, not None; with 4, documents span the 3 busy ranks: KV travels without any move)
+    assert by_name["idle_server"][0]["moves"] == 0 and (by_name["idle_server"][0]["bytes"] > 0) == (world > 2)
+    assert by_name["local_only"][0]["moves"] == 0 and by_name["local_only"][0]["bytes"] == 0
+
+
+def test_piece_error_is_a_value_error():
+    assert issubclass(PieceError, ValueError)
