@@ -61,7 +61,8 @@ def timed(fn, iters: int, warmup: int) -> float:
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-6))
 
 
 def main() -> int:

@@ -97,6 +97,7 @@ class DistCACallback(TrainerCallback):
             seed=args.seed if self.seed is None else self.seed,
             pad_token_id=int(pad),
             max_steps=max_steps,
+            disaggregate=self.disaggregate,
         )
         if len(batches) == 0:
             raise ValueError(

@@ -44,7 +44,9 @@ BUILTIN_MODELS = {
         vocab_size=128256,
     ),
 }
-ATTN = {"distca": "distca", "sdpa": "sdpa", "flash": "flash_attention_2"}
+# --attn: distca balances core attention over ranks; the others are baselines on the same data path,
+# attending only within each rank's own pieces ("local" runs the distca kernels without dispatch)
+ATTN = {"distca": "distca", "local": "distca", "sdpa": "sdpa", "flash": "flash_attention_2"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -108,8 +110,15 @@ def build_model(args, vocab_size: int, dtype: torch.dtype):
         if args.num_layers:
             overrides["num_hidden_layers"] = args.num_layers
         config = LlamaConfig(**overrides, tie_word_embeddings=False)
-        torch.manual_seed(args.seed)
-        return AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
+        torch.manual_seed(args.seed)  # seeds every device: identical weights on every rank
+        # random init on the rank's GPU is much faster than on the CPU for billion-parameter shapes
+        device = (
+            f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+            if torch.cuda.is_available() and not args.cpu
+            else "cpu"
+        )
+        with torch.device(device):
+            return AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
     config = AutoConfig.from_pretrained(args.model)
     if config.vocab_size < vocab_size:
         raise ValueError(
@@ -229,7 +238,7 @@ def main(argv=None) -> dict:
         path = os.path.join(args.output_dir, "tokenizer")
         with training_args.main_process_first(desc="training the tokenizer"):
             if training_args.process_index == 0:
-                sample = texts if texts is not None else rows[args.text_column][:5000]
+                sample = texts[:200] if texts is not None else rows[args.text_column][:2000]
                 train_local_tokenizer(sample).save_pretrained(path)
             tokenizer = AutoTokenizer.from_pretrained(path)
     else:

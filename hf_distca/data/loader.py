@@ -79,6 +79,7 @@ class DistCABatches(IterableDataset):
         seed: int = 0,
         pad_token_id: int = 0,
         max_steps: int | None = None,
+        disaggregate: bool = True,
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
@@ -90,6 +91,7 @@ class DistCABatches(IterableDataset):
         self.seed = seed
         self.pad_token_id = pad_token_id
         self.max_steps = max_steps
+        self.disaggregate = disaggregate
         self.epoch = 0
         self._steps = None
         self._layout_pairs: deque[list[int]] = deque()
@@ -144,19 +146,27 @@ class DistCABatches(IterableDataset):
         )
         mine = batches[self.rank]
         self._layout_pairs.append([sum(causal_pairs(0, int(p[2])) for p in b.pieces) for b in batches])
-        layout = DistCALayout(
-            pieces=tuple(tuple(int(x) for x in p) for p in mine.pieces),
-            all_pieces=tuple(
-                tuple(tuple(int(x) for x in p) for p in rank_pieces) for rank_pieces in mine.all_pieces
-            ),
-        )
-        return {
+        batch = {
             "input_ids": mine.input_ids,  # (1, T)
             "position_ids": mine.position_ids,  # (1, T), true positions inside each document
             "labels": mine.shift_labels,  # (1, T); already shifted: the loss reads shift_labels
             "shift_labels": mine.shift_labels,  # (1, T)
-            "distca_layout": layout,
         }
+        if self.disaggregate:
+            batch["distca_layout"] = DistCALayout(
+                pieces=tuple(tuple(int(x) for x in p) for p in mine.pieces),
+                all_pieces=tuple(
+                    tuple(tuple(int(x) for x in p) for p in pieces) for pieces in mine.all_pieces
+                ),
+            )
+        else:
+            # baseline: every local piece is its own sequence (no context from other ranks)
+            lengths = [int(p[2]) for p in mine.pieces if int(p[2]) > 0]
+            cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            batch.update(
+                cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths)
+            )
+        return batch
 
 
 class DistCADataLoader(DataLoader):

@@ -23,23 +23,49 @@ class CausalFlopsCost:
 
 
 class MeasuredCost:
-    """Cost from a measured (q_len, kv_len) -> seconds table, interpolated bilinearly.
+    """Cost from a measured (q_len, kv_len) -> seconds table.
 
-    Captures what pure FLOPs miss: short shards run at lower kernel efficiency. Outside the table
-    the nearest entry is scaled by the ratio of causal pairs.
+    Captures what pure FLOPs miss: short shards run at lower kernel efficiency. The table is turned
+    into a rate (causal pairs per second) and the rate is interpolated bilinearly; a task costs its
+    exact causal pairs divided by that rate. Entries with q_len > kv_len cannot be measured (a task's
+    queries are a suffix of its KV prefix): they are ignored and take the rate of the same column's
+    largest feasible q_len, so whole documents (q_len == kv_len) are priced from measured shapes only.
+    Outside the grid the nearest rate is used.
     """
 
     def __init__(self, q_lens: Sequence[int], kv_lens: Sequence[int], seconds: Sequence[Sequence[float]]):
         self.q_lens = np.asarray(q_lens, dtype=np.float64)
         self.kv_lens = np.asarray(kv_lens, dtype=np.float64)
-        self.seconds = np.asarray(seconds, dtype=np.float64)
-        if self.seconds.shape != (len(self.q_lens), len(self.kv_lens)):
+        table = np.asarray(seconds, dtype=np.float64)
+        if table.shape != (len(self.q_lens), len(self.kv_lens)):
             raise ValueError(
                 f"MeasuredCost: seconds must be shaped (len(q_lens), len(kv_lens)) = "
-                f"({len(self.q_lens)}, {len(self.kv_lens)}), got {self.seconds.shape}"
+                f"({len(self.q_lens)}, {len(self.kv_lens)}), got {table.shape}"
             )
         if np.any(np.diff(self.q_lens) <= 0) or np.any(np.diff(self.kv_lens) <= 0):
             raise ValueError("MeasuredCost: q_lens and kv_lens must be strictly increasing")
+        if self.q_lens[0] < 1:
+            raise ValueError("MeasuredCost: q_lens must be >= 1")
+        feasible = self.q_lens[:, None] <= self.kv_lens[None, :]  # (Q, K)
+        if not feasible.any():
+            raise ValueError("MeasuredCost: no table entry has q_len <= kv_len; measure CA-task shapes")
+        bad = feasible & ~(table > 0)
+        if bad.any():
+            i, j = np.argwhere(bad)[0]
+            raise ValueError(
+                f"MeasuredCost: seconds[{i}][{j}] (q_len={q_lens[i]}, kv_len={kv_lens[j]}) must be a positive time"
+            )
+        pairs = np.vectorize(_shape_pairs)(self.q_lens[:, None], self.kv_lens[None, :])  # (Q, K)
+        rate = np.where(feasible, pairs / np.where(feasible, table, 1.0), np.nan)  # pairs per second
+        for j in range(rate.shape[1]):
+            rows = np.flatnonzero(feasible[:, j])
+            if rows.size:
+                rate[rows[-1] + 1 :, j] = rate[rows[-1], j]
+        # columns with kv_len below every q_len: copy the nearest column to the right that has data
+        for j in range(rate.shape[1] - 1, -1, -1):
+            if np.isnan(rate[:, j]).all():
+                rate[:, j] = rate[:, j + 1]
+        self.rate = rate
 
     def task_cost(self, a: int, b: int) -> float:
         q_len, kv_len = b - a, b
@@ -47,13 +73,9 @@ class MeasuredCost:
             return 0.0
         qc = float(np.clip(q_len, self.q_lens[0], self.q_lens[-1]))
         kc = float(np.clip(kv_len, self.kv_lens[0], self.kv_lens[-1]))
-        per_kv = np.array([np.interp(kc, self.kv_lens, row) for row in self.seconds])
-        t = float(np.interp(qc, self.q_lens, per_kv))
-        if (qc, kc) != (q_len, kv_len):
-            # scale by the pairs ratio between the asked shape and the clamped one
-            ref_pairs = _shape_pairs(qc, kc)
-            t *= _shape_pairs(q_len, kv_len) / max(ref_pairs, 1.0)
-        return t
+        per_q = np.array([np.interp(kc, self.kv_lens, row) for row in self.rate])  # (Q,)
+        rate = float(np.interp(qc, self.q_lens, per_q))
+        return _shape_pairs(q_len, kv_len) / rate
 
     def __repr__(self) -> str:
         return f"MeasuredCost({len(self.q_lens)}x{len(self.kv_lens)} table)"
