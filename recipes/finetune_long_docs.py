@@ -49,6 +49,14 @@ BUILTIN_MODELS = {
 ATTN = {"distca": "distca", "local": "distca", "sdpa": "sdpa", "flash": "flash_attention_2"}
 
 
+# transformers 5.24 renamed TrainingArguments.gradient_checkpointing; 5.17 only has the old name
+_CHECKPOINTING_ARG = (
+    "activation_checkpointing"
+    if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+    else "gradient_checkpointing"
+)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
@@ -222,7 +230,7 @@ def main(argv=None) -> dict:
         seed=args.seed,
         use_cpu=use_cpu,
         bf16=args.bf16,
-        gradient_checkpointing=args.gradient_checkpointing,
+        **{_CHECKPOINTING_ARG: args.gradient_checkpointing},
         remove_unused_columns=False,
         ddp_find_unused_parameters=False,
         dataloader_num_workers=0,

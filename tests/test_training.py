@@ -78,3 +78,24 @@ def test_recipe_exact_across_world_sizes(tmp_path):
     assert ref_records[-1]["loss"] < ref_records[0]["loss"]
     # the plot of per-rank attention load was written
     assert os.path.getsize(tmp_path / "w2" / "attention_load.png") > 1000
+
+
+@pytest.mark.slow
+def test_plain_accelerate_loop_exact(tmp_path):
+    """recipes/accelerate_loop.py (no Trainer): 2 ranks x T equals 1 rank x 2T, per step."""
+    losses = {}
+    for world in (1, 2):
+        out = tmp_path / f"losses{world}.json"
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+            os.path.join(ROOT, "recipes", "accelerate_loop.py"), "--tokens-per-rank", str(2048 // world),
+            "--max-steps", "3", "--grad-accum", "2", "--losses-file", str(out),
+        ]  # fmt: skip
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-6000:]
+        losses[world] = json.loads(out.read_text())
+    assert len(losses[1]) == 3
+    for got, want in zip(losses[2], losses[1], strict=True):
+        assert abs(got - want) <= LOSS_RTOL * abs(want)
+    assert losses[1][-1] < losses[1][0]
