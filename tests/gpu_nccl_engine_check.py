@@ -18,11 +18,12 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from oracle import Layout, named_layouts, oracle_with_grads, random_qkv  # noqa: E402
+from tolerances import TOL  # noqa: E402
 
 from hf_distca import DistCAConfig, core_attention  # noqa: E402
 
 # bf16 inputs and kernels vs the float64 oracle: max |a - b| <= BF16_TOL * max |b| per tensor.
-BF16_TOL = 2e-2
+BF16_TOL = TOL["gpu_engine"][0]
 
 
 def check(layout: Layout, heads: int, kv_heads: int, dim: int, shard: int, seed: int) -> list[str]:

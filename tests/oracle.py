@@ -14,26 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-# ---------------------------------------------------------------------------------------------------------
-# Tolerance table: the only place where test tolerances live. (rtol, atol) as in torch.testing.assert_close.
-# Values are O(1) (standard normal inputs, loss weights); D <= 16, documents <= ~600 tokens.
-TOL = {
-    # Pure data movement (the engine vs the same kernel on the same rows in one process): bit-identical.
-    "exact": (0.0, 0.0),
-    # Sums over tasks in a different order (dk/dv gathered from several servers) in float64.
-    "fp64_reordered": (1e-12, 1e-12),
-    # float64 engine vs the float64 oracle (different op order, softmax by logsumexp vs max-shift).
-    "fp64": (1e-10, 1e-10),
-    # float32 engine vs the float64 oracle run on the same float32 inputs: ~1e-5 relative, with an
-    # absolute floor of 1e-5 for entries that are near zero (gradients of O(1) tensors).
-    "fp32": (1e-5, 1e-5),
-    # Planner balance: loads are exact integer sums in float64; 1e-9 only absorbs the division.
-    "balance": (1e-9, 0.0),
-    # Planning time of one step (1,000 long-tailed documents over 64 servers), median of 5, seconds.
-    "plan_seconds": (0.050, None),
-}
-# ---------------------------------------------------------------------------------------------------------
+from tolerances import TOL  # noqa: F401  (re-exported for the engine tests)
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, kind: str, msg: str = "") -> None:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from distributed import run_distributed
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tolerances import TOL
 from transformers import (
     AutoModelForCausalLM,
     DataCollatorWithFlattening,
@@ -39,21 +40,6 @@ from hf_distca.packing import (
     scatter_rows,
     unpad,
 )
-
-# ---------------------------------------------------------------------------------------------------------
-# Tolerances (rtol, atol) for torch.testing.assert_close. Tiny fp32 models (hidden 64, 2 layers,
-# initializer_range 0.2 so attention is far from uniform), documents <= 300 tokens.
-TOL = {
-    # distca vs SDPA per document, float32: same math, different kernels and summation order.
-    "logits": (1e-5, 1e-5),
-    # parameter gradients (sums over hundreds of tokens): rtol 1e-4, and an absolute floor of 1e-5 x the
-    # largest |entry| of that reference gradient, for entries that cancel to near zero. fp32 noise
-    # measured ~1e-6 x max (2 processes, dk/dv summed over tasks and all-reduced).
-    "grads": (1e-4, 1e-5),
-    # same model, same inputs, same code path (save/reload; 1 vs 2 processes when nothing moves).
-    "exact": (0.0, 0.0),
-}
-# ---------------------------------------------------------------------------------------------------------
 
 CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}
 DOC_SETS = {

@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from tolerances import TOL
 
 from hf_distca.kernels import (
     UnsupportedFeatureError,
@@ -18,19 +19,6 @@ from hf_distca.kernels import (
     resolve_backend,
     varlen_attention,
 )
-
-# ---------------------------------------------------------------------------------------------------------
-# Tolerances (rtol, atol) for torch.testing.assert_close. Inputs are standard normal, D <= 32.
-TOL = {
-    # float64 kernel vs float64 oracle: only the operation order differs (logsumexp vs softmax).
-    "fp64": (1e-12, 1e-12),
-    # float32 kernel (computes in float32) vs float64 oracle on the same float32 inputs: ~1e-5 relative,
-    # absolute floor 1e-5 for entries near zero.
-    "fp32": (1e-5, 1e-5),
-    # hand-computed closed form (uniform attention = mean of the visible values), float64.
-    "closed_form": (1e-14, 1e-14),
-}
-# ---------------------------------------------------------------------------------------------------------
 
 
 def naive_attention(
@@ -96,7 +84,7 @@ def test_reference_matches_oracle_fp64(case, hq, hkv):
     ref_out, ref_lse = naive_attention(q, k, v, q_lens, k_lens, scale)
     assert out.dtype == torch.float64 and out.shape == (sum(q_lens), hq, d)
     assert lse.shape == (sum(q_lens), hq) and lse.dtype == torch.float32
-    rtol, atol = TOL["fp64"]
+    rtol, atol = TOL["kernel_fp64"]
     torch.testing.assert_close(out, ref_out, rtol=rtol, atol=atol)
     # the LSE is returned in float32 by contract: compare at float32 precision
     rtol, atol = TOL["fp32"]
@@ -153,7 +141,7 @@ def test_reference_gradients_match_oracle(dtype):
         lambda a, b, c: reference_varlen_attention(a, b, c, _cu(q_lens), _cu(k_lens), 9, 9, scale=scale)
     )
     want = grads(lambda a, b, c: naive_attention(a, b, c, q_lens, k_lens, scale)[0])
-    rtol, atol = TOL["fp64" if dtype == torch.float64 else "fp32"]
+    rtol, atol = TOL["kernel_fp64" if dtype == torch.float64 else "fp32"]
     for name, g, w in zip("qkv", got, want):
         assert g.abs().max() > 0, f"d{name} is identically zero"
         torch.testing.assert_close(g, w, rtol=rtol, atol=atol, msg=lambda m, n=name: f"d{n}: {m}")
@@ -170,7 +158,7 @@ def test_empty_query_sequence_is_skipped():
             naive_attention(q[2:], k[7:], v[7:], [3], [3], 0.5)[0],
         ]
     )
-    rtol, atol = TOL["fp64"]
+    rtol, atol = TOL["kernel_fp64"]
     torch.testing.assert_close(out, ref, rtol=rtol, atol=atol)
 
 

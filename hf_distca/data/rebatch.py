@@ -131,6 +131,12 @@ def layout_micro_batch(
 
     Returns one ``RankBatch`` per rank, each with exactly ``tokens_per_rank`` tokens.
     """
+    arrays, all_pieces = _arrays_and_pieces(docs, world_size, tokens_per_rank, min_piece_tokens)
+    return [_materialize(arrays, all_pieces, r, tokens_per_rank, pad_token_id) for r in range(world_size)]
+
+
+def _arrays_and_pieces(docs, world_size: int, tokens_per_rank: int, min_piece_tokens: int):
+    """Token arrays of the documents and every rank's pieces (the layout all ranks agree on)."""
     arrays = [_as_tokens(d, i) for i, d in enumerate(docs)]
     all_pieces = tuple(
         layout_pieces(
@@ -140,7 +146,7 @@ def layout_micro_batch(
             min_piece_tokens=min_piece_tokens,
         )
     )
-    return [_materialize(arrays, all_pieces, r, tokens_per_rank, pad_token_id) for r in range(world_size)]
+    return arrays, all_pieces
 
 
 def layout_for_rank(
@@ -156,15 +162,7 @@ def layout_for_rank(
     _check_positive("world_size", world_size)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be an int in [0, world_size={world_size}), got {rank!r}")
-    arrays = [_as_tokens(d, i) for i, d in enumerate(docs)]
-    all_pieces = tuple(
-        layout_pieces(
-            [len(a) for a in arrays],
-            world_size=world_size,
-            tokens_per_rank=tokens_per_rank,
-            min_piece_tokens=min_piece_tokens,
-        )
-    )
+    arrays, all_pieces = _arrays_and_pieces(docs, world_size, tokens_per_rank, min_piece_tokens)
     return _materialize(arrays, all_pieces, rank, tokens_per_rank, pad_token_id)
 
 

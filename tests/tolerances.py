@@ -1,0 +1,49 @@
+"""The one table of test tolerances. Every comparison in the suite takes its tolerance from here.
+
+(rtol, atol) pairs are for torch.testing.assert_close unless the comment says otherwise.
+"""
+
+TOL = {
+    # ---- pure data movement
+    # the engine vs the same kernel on the same rows in one process; save/reload; 1 vs 2 processes when
+    # nothing moves: bit-identical
+    "exact": (0.0, 0.0),
+    # float64 sums over tasks in another order (dk/dv gathered from several servers)
+    "fp64_reordered": (1e-12, 1e-12),
+    # ---- kernels (inputs standard normal, D <= 32)
+    # float64 kernel vs float64 naive oracle: only the operation order differs (logsumexp vs softmax)
+    "kernel_fp64": (1e-12, 1e-12),
+    # hand-computed closed form (uniform attention = mean of the visible values), float64
+    "closed_form": (1e-14, 1e-14),
+    # ---- engine vs the single-process oracle (O(1) values, D <= 16, documents <= ~600 tokens)
+    # float64 engine vs float64 oracle (different op order, softmax by logsumexp vs max-shift)
+    "fp64": (1e-10, 1e-10),
+    # float32 vs the float64 oracle on the same float32 inputs: ~1e-5 relative, absolute floor 1e-5 for
+    # entries near zero (gradients of O(1) tensors); also float32 kernels vs the naive oracle
+    "fp32": (1e-5, 1e-5),
+    # ---- Transformers models (tiny fp32 models, initializer_range 0.2, documents <= 300 tokens)
+    # distca vs SDPA per document, logits: same math, different kernels and summation order
+    "logits": (1e-5, 1e-5),
+    # parameter gradients (sums over hundreds of tokens): rtol 1e-4, and an absolute floor of 1e-5 x the
+    # largest |entry| of that reference gradient; fp32 noise measured ~1e-6 x max
+    "grads": (1e-4, 1e-5),
+    # ---- training runs (recipes under torchrun, fp32, same global batches)
+    # per-step loss, relative; and final weights, absolute, after 3 SGD steps (weights are O(0.1))
+    "train_loss": (1e-5, 0.0),
+    "train_weights": (0.0, 1e-5),
+    # ---- GPU (bf16 inputs; reference in float32/float64)
+    # attention output, O(1) entries; measured max ~8e-3 on H200
+    "gpu_out": (2e-2, 2e-2),
+    # dq/dk/dv: rtol 2e-2 and an absolute floor of 2e-2 x the largest |entry| of the reference gradient;
+    # measured max |diff| / max |ref| ~6e-3 for torch_varlen on H200
+    "gpu_grad": (2e-2, 2e-2),
+    # log-sum-exp (float32 inside every backend); measured ~3e-6 on H200
+    "gpu_lse": (1e-4, 1e-4),
+    # engine over NCCL vs the float64 oracle: max |a - b| <= rtol x max |b| per tensor
+    "gpu_engine": (2e-2, 0.0),
+    # ---- planner
+    # balance: loads are exact integer sums in float64; 1e-9 only absorbs the division
+    "balance": (1e-9, 0.0),
+    # planning time of one step (1,000 long-tailed documents over 64 servers), median of 5, seconds
+    "plan_seconds": (0.050, None),
+}
