@@ -133,6 +133,7 @@ class DistCACallback(TrainerCallback):
         world = max(args.world_size, 1)
         tokens = self.tokens_per_rank * world * args.gradient_accumulation_steps
         sent = _gather_ints(stats.bytes_sent, world)
+        received = _gather_ints(stats.bytes_received, world)
         step_time = max(_gather_floats(elapsed, world))
         layout_pairs = self.batches.pop_layout_pairs(args.gradient_accumulation_steps)
         if not stats.flops_before:
@@ -149,6 +150,7 @@ class DistCACallback(TrainerCallback):
             "imbalance_before": stats.imbalance_before,
             "imbalance_after": stats.imbalance_after,
             "bytes_sent": sent,
+            "bytes_received": received,
             "plan_seconds": stats.plan_seconds,
             "engine_calls": stats.calls,
         }

@@ -30,6 +30,7 @@ def _exchange(send: torch.Tensor, send_splits: list[int], recv_splits: list[int]
         recv, send.contiguous(), output_split_sizes=recv_splits, input_split_sizes=send_splits, group=group
     )
     metrics.record_bytes_sent(sum(send_splits) * send.element_size())
+    metrics.record_bytes_received(sum(recv_splits) * send.element_size())
     return recv
 
 

@@ -2,8 +2,9 @@
 
 FLOPs are forward core-attention FLOPs (4 x heads x head_dim per causal (query, key) pair) summed
 over layers and micro-batches, per server: ``flops_before`` without balancing (each rank its own
-pieces), ``flops_after`` as planned. ``bytes_sent`` counts every byte this rank sent for core
-attention: dispatch and return in forward, their mirrors in backward, and any recompute.
+pieces), ``flops_after`` as planned. ``bytes_sent`` (``bytes_received``) counts every byte this
+rank sent (received) for core attention: dispatch and return in forward, their mirrors in backward,
+and any recompute.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ class EngineStats:
     flops_before: list[float] = field(default_factory=list)
     flops_after: list[float] = field(default_factory=list)
     bytes_sent: int = 0
+    bytes_received: int = 0
     plan_seconds: float = 0.0
 
     @property
@@ -64,6 +66,11 @@ def record_bytes_sent(n: int) -> None:
         _stats.bytes_sent += n
 
 
+def record_bytes_received(n: int) -> None:
+    with _lock:
+        _stats.bytes_received += n
+
+
 def snapshot(reset: bool = False) -> EngineStats:
     """A copy of the statistics so far; ``reset=True`` starts a new accumulation."""
     global _stats
@@ -74,6 +81,7 @@ def snapshot(reset: bool = False) -> EngineStats:
             flops_before=list(_stats.flops_before),
             flops_after=list(_stats.flops_after),
             bytes_sent=_stats.bytes_sent,
+            bytes_received=_stats.bytes_received,
             plan_seconds=_stats.plan_seconds,
         )
         if reset:

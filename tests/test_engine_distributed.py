@@ -185,6 +185,8 @@ def _check_attention_case(case: dict, per_rank: list[dict], world: int) -> dict:
         assert fwd.flops_after == [repeat * flops_per_pair * x for x in plan.load_after], label
         assert fwd.bytes_sent == repeat * plan.bytes_sent[rank], label
         assert total.bytes_sent == repeat * plan.bytes_sent[rank] + plan.bytes_received[rank], label
+        assert fwd.bytes_received == repeat * plan.bytes_received[rank], label
+        assert total.bytes_received == repeat * plan.bytes_received[rank] + plan.bytes_sent[rank], label
     cfg = case["config"]
     mean = sum(plan.load_before) / world
     achievable = cfg.shard_tokens * max(layout.doc_lens) < cfg.tolerance * mean  # see test_planner
