@@ -46,6 +46,7 @@ BUILTIN_MODELS = {
 }
 # --attn: distca balances core attention over ranks; the others are baselines on the same data path,
 # attending only within each rank's own pieces ("local" runs the distca kernels without dispatch)
+LENGTHS_VOCAB = 4096  # vocabulary of the --doc-lengths documents
 ATTN = {"distca": "distca", "local": "distca", "sdpa": "sdpa", "flash": "flash_attention_2"}
 
 
@@ -76,6 +77,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--dataset-split", default="train")
     p.add_argument("--text-column", default="text")
+    p.add_argument(
+        "--doc-lengths",
+        default=None,
+        help="JSON list of document lengths (e.g. a measured sample): "
+        "train on generated token documents whose lengths are drawn from it (no tokenizer)",
+    )
     p.add_argument(
         "--tokenizer",
         default=None,
@@ -212,6 +219,43 @@ def _is_main() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+def documents_from_lengths(args) -> tuple[list[dict], int]:
+    """Generated token documents whose lengths are drawn (seeded) from a JSON list of lengths."""
+    import numpy as np
+
+    from hf_distca.data import documents_with_lengths
+
+    with open(args.doc_lengths) as f:
+        sample = json.load(f)
+    if not isinstance(sample, list) or not sample:
+        raise ValueError(f"{args.doc_lengths} must hold a non-empty JSON list of document lengths")
+    lengths = np.random.default_rng(args.seed).choice(
+        np.asarray(sample, dtype=np.int64), size=args.num_documents
+    )
+    docs = documents_with_lengths(lengths.tolist(), vocab_size=LENGTHS_VOCAB, seed=args.seed)
+    return [{"input_ids": d} for d in docs], LENGTHS_VOCAB
+
+
+def load_and_tokenize(args, training_args):
+    """Texts (generated, or --dataset) tokenized with --tokenizer, the model's, or a local BPE."""
+    texts = load_texts(args)
+    rows = load_dataset_rows(args) if texts is None else None
+    if args.tokenizer:
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    elif args.model in BUILTIN_MODELS:
+        # trained once by the main process and loaded by the others: every rank must get the same ids
+        path = os.path.join(args.output_dir, "tokenizer")
+        with training_args.main_process_first(desc="training the tokenizer"):
+            if training_args.process_index == 0:
+                sample = texts[:200] if texts is not None else rows[args.text_column][:2000]
+                train_local_tokenizer(sample).save_pretrained(path)
+            tokenizer = AutoTokenizer.from_pretrained(path)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+    documents = tokenize(texts if texts is not None else rows, tokenizer, args.text_column)
+    return tokenizer, documents
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     use_cpu = args.cpu or not torch.cuda.is_available()
@@ -237,24 +281,17 @@ def main(argv=None) -> dict:
         deepspeed=args.deepspeed,
         disable_tqdm=False,
     )
-    texts = load_texts(args)
-    rows = load_dataset_rows(args) if texts is None else None
-    if args.tokenizer:
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    elif args.model in BUILTIN_MODELS:
-        # trained once by the main process and loaded by the others: every rank must get the same ids
-        path = os.path.join(args.output_dir, "tokenizer")
-        with training_args.main_process_first(desc="training the tokenizer"):
-            if training_args.process_index == 0:
-                sample = texts[:200] if texts is not None else rows[args.text_column][:2000]
-                train_local_tokenizer(sample).save_pretrained(path)
-            tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = None
+    if args.doc_lengths:
+        if args.dataset:
+            raise ValueError("--doc-lengths and --dataset exclude each other: pick one data source")
+        documents, vocab_size = documents_from_lengths(args)
     else:
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-    documents = tokenize(texts if texts is not None else rows, tokenizer, args.text_column)
+        tokenizer, documents = load_and_tokenize(args, training_args)
+        vocab_size = len(tokenizer)
 
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    model = build_model(args, len(tokenizer), dtype)
+    model = build_model(args, vocab_size, dtype)
     if args.gradient_checkpointing:
         model.config.use_cache = False
 
@@ -262,7 +299,7 @@ def main(argv=None) -> dict:
         args.tokens_per_rank,
         config=DistCAConfig(tolerance=args.tolerance, shard_tokens=args.shard_tokens, backend=args.kernel),
         disaggregate=args.attn == "distca",
-        pad_token_id=tokenizer.pad_token_id or 0,
+        pad_token_id=(tokenizer.pad_token_id if tokenizer is not None else None) or 0,
     )
     metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
     if training_args.process_index == 0 and os.path.exists(metrics_path):
@@ -272,7 +309,7 @@ def main(argv=None) -> dict:
     summary = dict(callback.summary, world_size=training_args.world_size, attn=args.attn)
     if not args.no_save:
         trainer.save_model(os.path.join(args.output_dir, "model"))
-        if training_args.process_index == 0:
+        if training_args.process_index == 0 and tokenizer is not None:
             tokenizer.save_pretrained(os.path.join(args.output_dir, "model"))
     if training_args.process_index == 0:
         print(

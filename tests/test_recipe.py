@@ -71,3 +71,18 @@ def test_unsupported_local_file(tmp_path):
     path.write_text("<doc/>")
     with pytest.raises(ValueError, match="unsupported local dataset file"):
         load_recipe().main(["--dataset", str(path), "--output-dir", str(tmp_path / "run")])
+
+
+def test_document_lengths_from_a_sample(tmp_path):
+    sample = tmp_path / "lengths.json"
+    sample.write_text(json.dumps([40, 700, 1500, 90, 3000]))
+    out = tmp_path / "run"
+    summary = load_recipe().main(
+        ["--doc-lengths", str(sample), "--num-documents", "30", "--max-steps", "2", "--tokens-per-rank", "1024",
+         "--output-dir", str(out), "--no-save"]
+    )  # fmt: skip
+    assert summary["steps"] == 2
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["tokens"] == 1024 for r in records)
+    with pytest.raises(ValueError, match="exclude each other"):
+        load_recipe().main(["--doc-lengths", str(sample), "--dataset", str(sample), "--output-dir", str(out)])

@@ -3,7 +3,12 @@
 from hf_distca.data.loader import DistCABatches, DistCADataLoader, DistCALayout, TokenDocuments
 from hf_distca.data.rebatch import IGNORE_INDEX, RankBatch, layout_for_rank, layout_micro_batch, layout_pieces
 from hf_distca.data.sampler import GlobalBatchPlan, plan_global_batches
-from hf_distca.data.synthetic import document_lengths, generate_documents, generate_text_documents
+from hf_distca.data.synthetic import (
+    document_lengths,
+    documents_with_lengths,
+    generate_documents,
+    generate_text_documents,
+)
 
 __all__ = [
     "DistCABatches",
@@ -14,6 +19,7 @@ __all__ = [
     "GlobalBatchPlan",
     "RankBatch",
     "document_lengths",
+    "documents_with_lengths",
     "generate_documents",
     "generate_text_documents",
     "layout_for_rank",
