@@ -46,7 +46,7 @@ from hf_distca.packing import (
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
-    "DistCALayout",
+    "LayoutLike",
     "DistCARuntime",
     "distca_attention_forward",
     "distca_padding_mask",
@@ -58,8 +58,8 @@ RUNTIME_ATTR = "distca_runtime"
 _DEFAULT_CONFIG = DistCAConfig()
 
 
-class DistCALayout(Protocol):
-    """What the ``distca_layout`` forward kwarg must provide (built by the integration layer)."""
+class LayoutLike(Protocol):
+    """What the ``distca_layout`` forward kwarg must provide (e.g. :class:`hf_distca.data.DistCALayout`)."""
 
     pieces: Sequence[Sequence[int]]
     """This rank's ``(doc_id, doc_start, length)`` runs, in local token order."""
