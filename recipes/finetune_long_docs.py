@@ -92,7 +92,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--mean-doc-words", type=int, default=300, help="generated documents: mean length in words"
     )
-    p.add_argument("--max-doc-words", type=int, default=2500, help="generated documents: max length in words")
+    p.add_argument("--max-doc-words", type=int, default=2400, help="generated documents: max length in words")
     p.add_argument("--tokens-per-rank", type=int, default=2048)
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--max-steps", type=int, default=20)
