@@ -39,7 +39,8 @@ class DistCACallback(TrainerCallback):
         plot_file: PNG (relative to ``output_dir``) of per-rank attention load before/after, or None.
         disaggregate: False keeps the same data path but attention stays local to each rank (the
             baseline for comparisons; documents cut over ranks lose cross-rank context).
-        text_column_hint: only used in error messages.
+        column: the dataset column holding each document's token ids.
+        pad_token_id: id of padding tokens (default: the model config's, else 0).
     """
 
     def __init__(

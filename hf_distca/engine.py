@@ -238,20 +238,19 @@ def _run(q, k, v, prepared: _Prepared, group, world: int, config: DistCAConfig, 
             strict=True,
         ):
             parts += [qs.reshape(-1), ks.reshape(-1), vs.reshape(-1)]
+        q_elems, kv_elems = num_heads * head_dim, kv_heads * head_dim  # per row
         send_splits = [
-            nq * num_heads * head_dim + 2 * nkv * kv_heads * head_dim
-            for nq, nkv in zip(lay.send_q_counts, lay.send_kv_counts, strict=True)
+            nq * q_elems + 2 * nkv * kv_elems for nq, nkv in zip(lay.send_q_counts, lay.send_kv_counts)
         ]
         recv_splits = [
-            nq * num_heads * head_dim + 2 * nkv * kv_heads * head_dim
-            for nq, nkv in zip(lay.recv_q_counts, lay.recv_kv_counts, strict=True)
+            nq * q_elems + 2 * nkv * kv_elems for nq, nkv in zip(lay.recv_q_counts, lay.recv_kv_counts)
         ]
         recv = all_to_all_v(torch.cat(parts), send_splits, recv_splits, group)
         rq, rk, rv = [q], [k], [v]
         for chunk, nq, nkv in zip(
             recv.split(recv_splits), lay.recv_q_counts, lay.recv_kv_counts, strict=True
         ):
-            a, b = nq * num_heads * head_dim, nkv * kv_heads * head_dim
+            a, b = nq * q_elems, nkv * kv_elems
             rq.append(chunk[:a].view(nq, num_heads, head_dim))  # (nq, Hq, D)
             rk.append(chunk[a : a + b].view(nkv, kv_heads, head_dim))  # (nkv, Hkv, D)
             rv.append(chunk[a + b :].view(nkv, kv_heads, head_dim))  # (nkv, Hkv, D)
