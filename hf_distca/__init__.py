@@ -8,12 +8,14 @@ from hf_distca.callback import DistCACallback
 from hf_distca.config import DistCAConfig
 from hf_distca.engine import core_attention
 from hf_distca.planning import CATask, CorePlan, Piece, PieceError, plan_core_attention
+from hf_distca.trainer import DistCATrainer
 
 __all__ = [
     "CATask",
     "CorePlan",
     "DistCACallback",
     "DistCAConfig",
+    "DistCATrainer",
     "Piece",
     "PieceError",
     "__version__",

@@ -1,18 +1,19 @@
-"""DistCACallback: DistCA for the Hugging Face Trainer, as one callback.
+"""DistCACallback: every DistCA setting of a Trainer run, and its per-step metrics.
 
 It owns the data path (global token-budget batches rebatched over the ranks), the attention-server
 group (the data-parallel world), pre-flight checks and per-step metrics (``metrics.jsonl`` and a PNG
-of per-rank attention load). The Trainer exposes no public hook to change its training dataloader
-from a callback, so at ``on_init_end`` the callback finds the Trainer that is calling it and overrides
-``get_train_dataloader`` on that instance (the method Transformers documents as the one to override).
+of per-rank attention load). Callbacks cannot change the Trainer's training dataloader, so it works
+together with :class:`hf_distca.DistCATrainer`, which hands it the Trainer's documented extension
+points (``get_train_dataloader``, ``training_step``, ``log``); see :mod:`hf_distca.trainer`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-import inspect
 import json
 import os
+import statistics
 import time
 
 import torch
@@ -25,9 +26,28 @@ from hf_distca.config import DistCAConfig
 from hf_distca.data.loader import DistCABatches, DistCADataLoader, TokenDocuments
 from hf_distca.validation import check_launch, check_model_supported
 
+NEEDS_DISTCA_TRAINER = (
+    "DistCACallback needs hf_distca.DistCATrainer (a transformers Trainer subclass that feeds it DistCA's "
+    "batches): replace Trainer(...) with hf_distca.DistCATrainer(..., callbacks=[DistCACallback(...)]), "
+    "or add the callback to a DistCATrainer with trainer.add_callback(...). For plain Accelerate loops use "
+    "hf_distca.data.DistCABatches and hf_distca.enable_distca instead."
+)
+
+# EngineStats counter -> metrics record key, where the field name alone would not say what it counts
+_RECORD_KEYS = {"calls": "engine_calls"}
+
 
 class DistCACallback(TrainerCallback):
-    """Balance core attention across data-parallel ranks during ``Trainer.train()``.
+    """Balance core attention across data-parallel ranks during ``DistCATrainer.train()``.
+
+    Give it to :class:`hf_distca.DistCATrainer` (``callbacks=[DistCACallback(...)]`` or
+    ``trainer.add_callback``); a plain ``transformers.Trainer`` raises a RuntimeError saying so, at
+    construction (or, for ``add_callback``, when ``train()`` begins), before any step runs.
+
+    Writes one record per optimizer step to ``metrics_file`` (JSON lines, rank 0), whatever
+    ``logging_steps`` is, and adds the same figures to the Trainer's logs on logging steps (see
+    :meth:`log_figures`), so ``report_to`` integrations receive them. On ``resume_from_checkpoint``
+    the file keeps the records up to the checkpoint's step and continues from there.
 
     Args:
         tokens_per_rank: tokens every rank holds per micro-batch (the global micro-batch is
@@ -69,29 +89,39 @@ class DistCACallback(TrainerCallback):
         self.column = column
         self.pad_token_id = pad_token_id
         self.records: list[dict] = []
+        """The records of the current ``train()`` call (identical on every rank)."""
+        self.batches: DistCABatches | None = None
         self._trainer = None
+        self._unlogged: list[dict] = []
         self._step_start = 0.0
-        self._pending: dict | None = None
+        self._step_loss: torch.Tensor | None = None
+        self._layers = 0
+        self._flops_per_pair = 0.0
 
-    # ------------------------------------------------------------------ setup
-    def on_init_end(self, args, state, control, model=None, **kwargs):
-        trainer = _calling_trainer(self)
+    # ------------------------------------------------------------------ DistCATrainer's side
+    def _bind(self, trainer) -> None:
+        """Called by DistCATrainer before anything else: the trainer this callback serves."""
+        if self._trainer is not None and self._trainer is not trainer:
+            raise ValueError("this DistCACallback already belongs to another trainer; create one per trainer")
         self._trainer = trainer
+
+    def _prepare(self, args, model) -> None:
+        """Pre-flight checks and the data path; at construction (or add_callback) of the trainer."""
+        trainer = self._trainer
         world = check_launch(args)
         check_model_supported(
             model, max_document_tokens=self.tokens_per_rank * world, disaggregate=self.disaggregate
         )
         if trainer.train_dataset is None:
-            raise ValueError("DistCACallback needs Trainer(train_dataset=...) with tokenized documents")
+            raise ValueError("DistCACallback needs DistCATrainer(train_dataset=...) with tokenized documents")
         documents = TokenDocuments(trainer.train_dataset, column=self.column)
         pad = self.pad_token_id
         if pad is None:
             pad = getattr(getattr(model, "config", None), "pad_token_id", None) or 0
-        rank = args.process_index
         max_steps = args.max_steps if args.max_steps and args.max_steps > 0 else None
         batches = DistCABatches(
             documents,
-            rank=rank,
+            rank=args.process_index,
             world_size=world,
             tokens_per_rank=self.tokens_per_rank,
             grad_accum=args.gradient_accumulation_steps,
@@ -106,25 +136,67 @@ class DistCACallback(TrainerCallback):
                 f"{args.gradient_accumulation_steps} accumulation; add documents or lower tokens_per_rank"
             )
         self.batches = batches
-        # the documented override point of Trainer, set on this instance only
-        trainer.get_train_dataloader = lambda: DistCADataLoader(batches)
+
+    def _train_dataloader(self) -> DistCADataLoader:
+        return DistCADataLoader(self.batches)
+
+    def _add_loss(self, loss: torch.Tensor) -> None:
+        """One micro-batch's loss as ``Trainer.training_step`` returns it (summed over the step)."""
+        loss = loss.detach()
+        self._step_loss = loss if self._step_loss is None else self._step_loss + loss
+
+    def log_figures(self) -> dict[str, float]:
+        """The figures added to the Trainer's logs (keys ``distca/...``): each record field averaged
+        over the optimizer steps since the previous log; per-rank lists as ``<field>_max`` (the
+        busiest rank) and ``<field>_mean`` (over ranks). Empty when no step ran since the last log."""
+        window, self._unlogged = self._unlogged, []
+        if not window:
+            return {}
+        figures = {}
+        for key, value in window[0].items():
+            if key in ("step", "loss") or value is None or isinstance(value, bool):
+                continue
+            if isinstance(value, list):
+                figures[f"distca/{key}_max"] = statistics.fmean(max(r[key]) for r in window)
+                figures[f"distca/{key}_mean"] = statistics.fmean(statistics.fmean(r[key]) for r in window)
+            elif isinstance(value, (int, float)):
+                figures[f"distca/{key}"] = statistics.fmean(r[key] for r in window)
+        return figures
+
+    # ------------------------------------------------------------------ Trainer events
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        if self._trainer is None:
+            raise RuntimeError(NEEDS_DISTCA_TRAINER)
+        self._prepare(args, model)
         return control
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-        _check_same_documents(self.batches.documents.lengths, max(args.world_size, 1))
+        if self._trainer is None or self.batches is None:
+            raise RuntimeError(NEEDS_DISTCA_TRAINER)
+        world = max(args.world_size, 1)
+        _check_same_documents(self.batches.documents.lengths, world)
         if self.disaggregate:
+            group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
             enable_distca(model, group=group, config=self.config)
         cfg = getattr(model, "config", None)
         heads = getattr(cfg, "num_attention_heads", 0) or 0
         head_dim = getattr(cfg, "head_dim", None) or (getattr(cfg, "hidden_size", 0) // max(heads, 1))
-        self._flops_per_pair = 4.0 * heads * head_dim * (getattr(cfg, "num_hidden_layers", 0) or 0)
+        self._layers = getattr(cfg, "num_hidden_layers", 0) or 0
+        self._flops_per_pair = 4.0 * heads * head_dim * self._layers
+        self.records, self._unlogged = [], []
+        if args.process_index == 0 and self.metrics_file:
+            self._start_metrics_file(args, state.global_step)
         metrics.reset()
         return control
 
-    # ------------------------------------------------------------------ per step
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        # the Trainer's epoch after a resume (it sets no epoch on the loader that skips trained steps)
+        self.batches.set_epoch(state.global_step // self.batches.steps_per_epoch)
+        return control
+
     def on_step_begin(self, args, state, control, **kwargs):
         metrics.reset()
+        self._step_loss = None
         self._step_start = time.perf_counter()
         return control
 
@@ -132,58 +204,74 @@ class DistCACallback(TrainerCallback):
         stats = metrics.snapshot(reset=True)
         elapsed = time.perf_counter() - self._step_start
         world = max(args.world_size, 1)
-        tokens = self.tokens_per_rank * world * args.gradient_accumulation_steps
-        sent = _gather_ints(stats.bytes_sent, world)
-        received = _gather_ints(stats.bytes_received, world)
-        step_time = max(_gather_floats(elapsed, world))
-        layout_pairs = self.batches.pop_layout_pairs(args.gradient_accumulation_steps)
-        if not stats.flops_before:
-            # attention stayed local (baseline): each rank attends within its own pieces only
-            flops = [p * self._flops_per_pair for p in layout_pairs]
-            stats.flops_before, stats.flops_after = flops, list(flops)
+        grad_accum = args.gradient_accumulation_steps
+        counters = {
+            f.name: getattr(stats, f.name)
+            for f in dataclasses.fields(stats)
+            if isinstance(getattr(stats, f.name), (int, float))
+            and not isinstance(getattr(stats, f.name), bool)
+        }
+        int_names = [k for k, v in counters.items() if isinstance(v, int)]
+        float_names = [k for k, v in counters.items() if not isinstance(v, int)]
+        loss = float(self._step_loss) if self._step_loss is not None else float("nan")
+        ints = _gather(torch.tensor([counters[k] for k in int_names], dtype=torch.int64), world)
+        floats = _gather(
+            torch.tensor([elapsed, loss, *(counters[k] for k in float_names)], dtype=torch.float64), world
+        )
+        before = [p * self._flops_per_pair for p in self.batches.layout_load(self.batches.current_step)]
+        if stats.flops_after and stats.calls:
+            # the engine sums every call, recomputes included: scale to one forward per layer and micro-batch
+            scale = self._layers * grad_accum / stats.calls
+            after = [f * scale for f in stats.flops_after]
+        else:  # attention stayed on each rank: nothing was moved
+            after = list(before)
         record = {
             "step": state.global_step,
-            "loss": None,
-            "tokens": tokens,
-            "step_time_s": step_time,
-            "attn_flops_before": stats.flops_before,
-            "attn_flops_after": stats.flops_after,
-            "imbalance_before": stats.imbalance_before,
-            "imbalance_after": stats.imbalance_after,
-            "bytes_sent": sent,
-            "bytes_received": received,
-            "plan_seconds": stats.plan_seconds,
-            "engine_calls": stats.calls,
+            # the Trainer's reduction of its loss: mean over ranks of the summed micro-batch losses
+            "loss": statistics.fmean(row[1] for row in floats),
+            "tokens": self.tokens_per_rank * world * grad_accum,
+            "step_time_s": max(row[0] for row in floats),
+            "attn_flops_before": before,
+            "attn_flops_after": after,
+            "imbalance_before": _imbalance(before),
+            "imbalance_after": _imbalance(after),
         }
-        self._pending = record
-        return control
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if self._pending is not None and logs and "loss" in logs:
-            self._pending["loss"] = float(logs["loss"])
-            self._flush(args)
+        for i, name in enumerate(int_names):
+            record[_RECORD_KEYS.get(name, name)] = [int(row[i]) for row in ints]
+        for i, name in enumerate(float_names):
+            record[_RECORD_KEYS.get(name, name)] = [float(row[2 + i]) for row in floats]
+        self.records.append(record)
+        self._unlogged.append(record)
+        if args.process_index == 0 and self.metrics_file:
+            with open(os.path.join(args.output_dir, self.metrics_file), "a") as f:
+                f.write(json.dumps(record) + "\n")
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self._pending is not None:
-            self._flush(args)
-        if args.process_index == 0 and self.plot_file and self.records:
-            from hf_distca.plotting import plot_attention_load
+        if args.process_index == 0 and self.plot_file:
+            records = self.records
+            if self.metrics_file:  # the whole run, also the steps before a resume
+                records = _read_records(os.path.join(args.output_dir, self.metrics_file))
+            if records:
+                from hf_distca.plotting import plot_attention_load
 
-            plot_attention_load(self.records, os.path.join(args.output_dir, self.plot_file))
+                plot_attention_load(
+                    records, os.path.join(args.output_dir, self.plot_file), balanced=self.disaggregate
+                )
         return control
 
-    def _flush(self, args) -> None:
-        record, self._pending = self._pending, None
-        self.records.append(record)
-        if args.process_index == 0 and self.metrics_file:
-            os.makedirs(args.output_dir, exist_ok=True)
-            with open(os.path.join(args.output_dir, self.metrics_file), "a") as f:
-                f.write(json.dumps(record) + "\n")
+    def _start_metrics_file(self, args, global_step: int) -> None:
+        """A fresh file, or on resume the records up to the checkpoint's step (later ones were
+        written by the interrupted run after that checkpoint and are trained again)."""
+        path = os.path.join(args.output_dir, self.metrics_file)
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        kept = [r for r in _read_records(path) if r["step"] <= global_step] if global_step > 0 else []
+        with open(path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
 
     @property
     def summary(self) -> dict:
-        """Mean imbalance before/after over the steps recorded so far."""
+        """Mean imbalance before/after over the steps recorded by the current ``train()`` call."""
         if not self.records:
             return {}
         n = len(self.records)
@@ -195,30 +283,23 @@ class DistCACallback(TrainerCallback):
         }
 
 
-def _calling_trainer(callback):
-    """The Trainer whose ``__init__`` is running this callback's ``on_init_end``."""
-    frame = inspect.currentframe()
-    try:
-        for _ in range(12):
-            frame = frame.f_back
-            if frame is None:
-                break
-            candidate = frame.f_locals.get("self")
-            handler = getattr(candidate, "callback_handler", None)
-            if handler is not None and callback in getattr(handler, "callbacks", []):
-                return candidate
-    finally:
-        del frame
-    raise RuntimeError(
-        "DistCACallback must be given to a transformers Trainer: Trainer(..., callbacks=[DistCACallback(...)]). "
-        "For plain Accelerate loops use hf_distca.data.DistCABatches and hf_distca.enable_distca instead."
-    )
+def _read_records(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _imbalance(values: list[float]) -> float:
+    """max / mean over ranks (1.0 when there is no work)."""
+    total = sum(values)
+    return max(values) / (total / len(values)) if values and total > 0 else 1.0
 
 
 def _check_same_documents(lengths: list[int], world: int) -> None:
     """Every rank must plan from the same documents; compare a digest of their lengths."""
-    digest = int.from_bytes(hashlib.sha256(repr(lengths).encode()).digest()[:6], "big")
-    seen = _gather_floats(float(digest), world)
+    digest = int.from_bytes(hashlib.sha256(repr(lengths).encode()).digest()[:7], "big")
+    seen = [int(row[0]) for row in _gather(torch.tensor([digest], dtype=torch.int64), world)]
     if len(set(seen)) != 1:
         raise RuntimeError(
             "ranks see different training documents (their token lengths differ); every rank must load and "
@@ -226,20 +307,12 @@ def _check_same_documents(lengths: list[int], world: int) -> None:
         )
 
 
-def _gather_floats(value: float, world: int) -> list[float]:
+def _gather(values: torch.Tensor, world: int) -> list[list]:
+    """Every rank's 1-D ``values`` (same length and dtype on all ranks), as Python numbers per rank."""
     if world == 1 or not (dist.is_available() and dist.is_initialized()):
-        return [float(value)]
-    t = torch.tensor([float(value)], dtype=torch.float64, device=_collective_device())
-    out = [torch.zeros_like(t) for _ in range(world)]
-    dist.all_gather(out, t)
-    return [float(x.item()) for x in out]
-
-
-def _gather_ints(value: int, world: int) -> list[int]:
-    return [int(x) for x in _gather_floats(float(value), world)]
-
-
-def _collective_device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+        return [values.tolist()]
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    values = values.to(device)
+    out = [torch.empty_like(values) for _ in range(world)]
+    dist.all_gather(out, values)
+    return [t.tolist() for t in out]

@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
-def plot_attention_load(records: Sequence[dict], path: str) -> None:
-    """records: metrics.jsonl rows (``attn_flops_before``/``attn_flops_after`` per rank)."""
+def plot_attention_load(records: Sequence[dict], path: str, *, balanced: bool = True) -> None:
+    """records: metrics.jsonl rows (``attn_flops_before``/``attn_flops_after`` per rank).
+
+    ``balanced=False``: a run without disaggregation (its "after" is its own pieces, as "before")."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -17,7 +19,7 @@ def plot_attention_load(records: Sequence[dict], path: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for ax, key, title in (
         (axes[0], "attn_flops_before", "without balancing"),
-        (axes[1], "attn_flops_after", "with DistCA"),
+        (axes[1], "attn_flops_after", "with DistCA" if balanced else "this run (attention local)"),
     ):
         for rank in range(world):
             ax.plot(steps, [r[key][rank] / 1e9 for r in records], marker="o", ms=3, label=f"rank {rank}")

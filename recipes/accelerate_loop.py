@@ -4,24 +4,29 @@
 
 Per step: every rank builds its share of the same global batch (``DistCABatches``), the model's
 ``distca`` attention dispatches core attention over the ranks (``enable_distca``), and the loss is
-token-weighted over the whole global batch, so the losses equal a single-process run with
-``--tokens-per-rank`` x world size.
+token-weighted over the whole global batch (every micro-batch of every rank), so the losses equal a
+single-process run of the same global batch, also with gradient accumulation.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import hf_distca
-from hf_distca.data import DistCABatches, DistCADataLoader, generate_documents
+from hf_distca.cli import add_config_arguments, config_from_args
+from hf_distca.data import DistCABatches, DistCADataLoader, documents_with_lengths, generate_documents
+
+VOCAB = 256
 
 
 def main(argv=None) -> list[float]:
@@ -30,17 +35,31 @@ def main(argv=None) -> list[float]:
     p.add_argument("--max-steps", type=int, default=5)
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--num-documents", type=int, default=200)
+    p.add_argument(
+        "--doc-lengths",
+        default=None,
+        help="JSON list of document lengths: generated documents get lengths drawn from it "
+        "(default: a long-tailed distribution, mean 400, max 3000 tokens)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--learning-rate", type=float, default=0.5)
-    p.add_argument("--shard-tokens", type=int, default=64)
     p.add_argument("--losses-file", default=None, help="write the per-step losses here (JSON list, rank 0)")
+    add_config_arguments(p)  # every DistCAConfig field, e.g. --shard-tokens
     args = p.parse_args(argv)
 
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=args.grad_accum)
+    # gradient accumulation is ours: the loss of every micro-batch is already divided by the targets of
+    # the whole global batch, so Accelerate must not divide by the accumulation steps again
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
     world, rank = accelerator.num_processes, accelerator.process_index
-    documents = generate_documents(
-        args.num_documents, vocab_size=256, seed=args.seed, mean_length=400, max_length=3000
-    )
+    if args.doc_lengths:
+        with open(args.doc_lengths) as f:
+            sample = np.asarray(json.load(f), dtype=np.int64)
+        lengths = np.random.default_rng(args.seed).choice(sample, size=args.num_documents)
+        documents = documents_with_lengths(lengths.tolist(), vocab_size=VOCAB, seed=args.seed)
+    else:
+        documents = generate_documents(
+            args.num_documents, vocab_size=VOCAB, seed=args.seed, mean_length=400, max_length=3000
+        )
     batches = DistCABatches(
         documents,
         rank=rank,
@@ -52,7 +71,7 @@ def main(argv=None) -> list[float]:
     )
     torch.manual_seed(args.seed)
     config = LlamaConfig(
-        vocab_size=256,
+        vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -62,27 +81,29 @@ def main(argv=None) -> list[float]:
     )
     model = AutoModelForCausalLM.from_config(config, attn_implementation="distca")
     group = dist.group.WORLD if world > 1 else None
-    hf_distca.enable_distca(model, group=group, config=hf_distca.DistCAConfig(shard_tokens=args.shard_tokens))
+    hf_distca.enable_distca(model, group=group, config=config_from_args(args))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.learning_rate)
     model, optimizer = accelerator.prepare(model, optimizer)
 
     losses = []
     micro = iter(DistCADataLoader(batches))  # already one share per rank: not sharded by Accelerate
-    for _ in range(len(batches.steps)):
+    for _ in range(batches.steps_per_epoch):
         step_batches = [next(micro) for _ in range(args.grad_accum)]
         # token-weighted loss over the whole global batch (all micro-batches, all ranks)
         local = sum(int(b["shift_labels"].ne(-100).sum()) for b in step_batches)
         total = accelerator.reduce(torch.tensor(local, device=accelerator.device), reduction="sum").item()
         step_loss = torch.zeros((), device=accelerator.device)
-        for batch in step_batches:
+        for i, batch in enumerate(step_batches):
             batch = {k: v.to(accelerator.device) if torch.is_tensor(v) else v for k, v in batch.items()}
-            with accelerator.accumulate(model):
+            # gradients are summed locally over micro-batches and all-reduced once, with the last one
+            last = i == len(step_batches) - 1
+            with contextlib.nullcontext() if last else accelerator.no_sync(model):
                 out = model(**batch, num_items_in_batch=total)
                 # DDP averages gradients over ranks; scale so the sum over ranks is the global mean
                 accelerator.backward(out.loss * world)
-                step_loss += out.loss.detach()
-                optimizer.step()
-                optimizer.zero_grad()
+            step_loss += out.loss.detach()
+        optimizer.step()
+        optimizer.zero_grad()
         losses.append(accelerator.reduce(step_loss, reduction="sum").item())
         if accelerator.is_main_process:
             print(f"step {len(losses)}: loss {losses[-1]:.6f}", flush=True)

@@ -17,11 +17,10 @@ import os
 import sys
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainingArguments
 
-import hf_distca  # noqa: F401  (registers attn_implementation="distca")
-from hf_distca.callback import DistCACallback
-from hf_distca.config import DistCAConfig
+import hf_distca  # registers attn_implementation="distca"
+from hf_distca.cli import add_config_arguments, config_from_args
 
 BUILTIN_MODELS = {
     # name: (config overrides for LlamaConfig), random init, no download
@@ -104,13 +103,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--cpu", action="store_true", help="train on the CPU even if GPUs are present")
-    p.add_argument("--tolerance", type=float, default=0.1, help="DistCA balance tolerance")
-    p.add_argument("--shard-tokens", type=int, default=128, help="DistCA split granularity")
-    p.add_argument(
-        "--kernel", default="auto", help="DistCA kernel backend: auto, reference, torch_varlen, flash_attn"
-    )
     p.add_argument("--deepspeed", default=None, help="DeepSpeed JSON config (or use an accelerate config)")
     p.add_argument("--no-save", action="store_true", help="skip saving the final model")
+    p.add_argument("--save-steps", type=int, default=0, help="checkpoint every N optimizer steps (0: none)")
+    p.add_argument(
+        "--resume-from-checkpoint", default=None, help="a checkpoint directory of an earlier run to continue"
+    )
+    add_config_arguments(p)  # every DistCAConfig field, e.g. --tolerance, --shard-tokens, --backend
     return p.parse_args(argv)
 
 
@@ -269,7 +268,8 @@ def main(argv=None) -> dict:
         lr_scheduler_type="constant",
         weight_decay=0.0,
         logging_steps=1,
-        save_strategy="no",
+        save_strategy="steps" if args.save_steps > 0 else "no",
+        **({"save_steps": args.save_steps} if args.save_steps > 0 else {}),
         report_to=[],
         seed=args.seed,
         use_cpu=use_cpu,
@@ -295,17 +295,17 @@ def main(argv=None) -> dict:
     if args.gradient_checkpointing:
         model.config.use_cache = False
 
-    callback = DistCACallback(
+    callback = hf_distca.DistCACallback(
         args.tokens_per_rank,
-        config=DistCAConfig(tolerance=args.tolerance, shard_tokens=args.shard_tokens, backend=args.kernel),
+        config=config_from_args(args),
         disaggregate=args.attn == "distca",
         pad_token_id=(tokenizer.pad_token_id if tokenizer is not None else None) or 0,
     )
-    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
-    if training_args.process_index == 0 and os.path.exists(metrics_path):
-        os.remove(metrics_path)
-    trainer = Trainer(model=model, args=training_args, train_dataset=documents, callbacks=[callback])
-    trainer.train()
+    metrics_path = os.path.join(args.output_dir, callback.metrics_file)
+    trainer = hf_distca.DistCATrainer(
+        model=model, args=training_args, train_dataset=documents, callbacks=[callback]
+    )
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     summary = dict(callback.summary, world_size=training_args.world_size, attn=args.attn)
     if not args.no_save:
         trainer.save_model(os.path.join(args.output_dir, "model"))
@@ -315,7 +315,8 @@ def main(argv=None) -> dict:
         print(
             f"[hf_distca] {summary.get('steps', 0)} steps on {summary['world_size']} rank(s), attn={args.attn}: "
             f"core-attention imbalance (max/mean over ranks) {summary.get('imbalance_before', 1):.2f} without "
-            f"balancing -> {summary.get('imbalance_after', 1):.2f} with DistCA; final loss "
+            f"balancing -> {summary.get('imbalance_after', 1):.2f} "
+            f"{'with DistCA' if args.attn == 'distca' else 'in this run (no balancing)'}; final loss "
             f"{summary.get('final_loss')}; metrics in {metrics_path}",
             flush=True,
         )

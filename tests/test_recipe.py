@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
 
 import pytest
 
+from hf_distca.cli import _field_docs, config_from_args
+from hf_distca.config import DistCAConfig
 from hf_distca.data.synthetic import generate_text_documents
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -86,3 +89,23 @@ def test_document_lengths_from_a_sample(tmp_path):
     assert all(r["tokens"] == 1024 for r in records)
     with pytest.raises(ValueError, match="exclude each other"):
         load_recipe().main(["--doc-lengths", str(sample), "--dataset", str(sample), "--output-dir", str(out)])
+
+
+def test_distca_flags_come_from_the_config(capsys):
+    """One option per DistCAConfig field, with the field's default and docstring: no second copy."""
+    recipe = load_recipe()
+    defaults = recipe.parse_args([])
+    assert config_from_args(defaults) == DistCAConfig()
+    for field in dataclasses.fields(DistCAConfig):
+        assert getattr(defaults, field.name) == field.default
+    args = recipe.parse_args(["--tolerance", "0.25", "--shard-tokens", "64", "--backend", "reference"])
+    assert config_from_args(args) == DistCAConfig(tolerance=0.25, shard_tokens=64, backend="reference")
+    with pytest.raises(ValueError, match="DistCAConfig.tolerance must be in"):
+        config_from_args(recipe.parse_args(["--tolerance", "-1"]))
+    with pytest.raises(SystemExit):
+        recipe.parse_args(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for field in dataclasses.fields(DistCAConfig):
+        flag = "--" + field.name.replace("_", "-")
+        assert flag in help_text
+        assert " ".join(_field_docs()[field.name].split())[:40] in help_text, field.name

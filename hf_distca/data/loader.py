@@ -6,14 +6,13 @@ each global micro-batch without communication; each rank then keeps its own shar
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from hf_distca.data.rebatch import layout_micro_batch
+from hf_distca.data.rebatch import layout_for_rank, layout_pieces
 from hf_distca.data.sampler import plan_global_batches
 from hf_distca.planning.cost import causal_pairs
 
@@ -66,7 +65,16 @@ class TokenDocuments:
 
 
 class DistCABatches(IterableDataset):
-    """Iterates this rank's micro-batches (dicts ready for ``model(**batch)``) for one epoch."""
+    """Iterates this rank's micro-batches (dicts ready for ``model(**batch)``), one epoch per iteration.
+
+    The optimizer steps form one endless stream: the plan of data epoch 0 (every document once,
+    shuffled with ``seed``), then data epoch 1 (``seed + 1``), and so on, back to back. An epoch of
+    this loader is a fixed-size chunk of that stream, ``steps_per_epoch`` steps (data epoch 0's step
+    count, at most ``max_steps``), and ``set_epoch(k)`` selects chunk ``k``. A fixed epoch size is
+    what the Trainer's resume arithmetic assumes (epoch = global_step // steps per epoch, then skip the
+    rest), so stream step ``global_step - 1`` is always the step trained at ``global_step``, whether the
+    run was resumed or not.
+    """
 
     def __init__(
         self,
@@ -93,59 +101,88 @@ class DistCABatches(IterableDataset):
         self.max_steps = max_steps
         self.disaggregate = disaggregate
         self.epoch = 0
-        self._steps = None
-        self._layout_pairs: deque[list[int]] = deque()
+        self.current_step: int | None = None
+        """Stream index of the step whose micro-batch was yielded last (None before the first)."""
+        self._plans: dict[int, list[list[list[int]]]] = {}  # data epoch -> its steps (the last two used)
+        self._plan_sizes: list[int] = []  # steps of data epochs 0, 1, ... planned so far
 
     def set_epoch(self, epoch: int) -> None:
-        if epoch != self.epoch:
-            self.epoch = epoch
-            self._steps = None
+        """The next iteration yields chunk ``epoch`` of the step stream."""
+        self.epoch = epoch
+
+    @property
+    def steps_per_epoch(self) -> int:
+        steps = len(self._data_epoch(0))
+        return steps if self.max_steps is None else min(steps, self.max_steps)
+
+    def step(self, index: int) -> list[list[int]]:
+        """Optimizer step ``index`` of the stream: micro-batches -> document indices (same on every rank)."""
+        data_epoch = 0
+        while True:
+            if data_epoch == len(self._plan_sizes):
+                self._plan_sizes.append(len(self._data_epoch(data_epoch)))
+            if index < self._plan_sizes[data_epoch]:
+                return self._data_epoch(data_epoch)[index]
+            index -= self._plan_sizes[data_epoch]
+            data_epoch += 1
 
     @property
     def steps(self) -> list[list[list[int]]]:
-        """Optimizer steps -> micro-batches -> document indices (identical on every rank)."""
-        if self._steps is None:
-            result = plan_global_batches(
+        """The optimizer steps of the current epoch: steps -> micro-batches -> document indices."""
+        first = self.epoch * self.steps_per_epoch
+        return [self.step(first + i) for i in range(self.steps_per_epoch)]
+
+    def _data_epoch(self, data_epoch: int) -> list[list[list[int]]]:
+        if data_epoch not in self._plans:
+            self._plans[data_epoch] = plan_global_batches(
                 self.documents.lengths,
                 tokens_per_step=self.tokens_per_rank * self.world_size * self.grad_accum,
                 micro_batches=self.grad_accum,
                 seed=self.seed,
-                epoch=self.epoch,
-            )
-            steps = result.steps
-            if self.max_steps is not None:
-                steps = steps[: self.max_steps]
-            self._steps = steps
-        return self._steps
+                epoch=data_epoch,
+            ).steps
+            for old in sorted(self._plans)[:-2]:
+                del self._plans[old]
+        return self._plans[data_epoch]
 
     def __len__(self) -> int:
-        return len(self.steps) * self.grad_accum
+        return self.steps_per_epoch * self.grad_accum
 
     def __iter__(self) -> Iterator[dict]:
         budget = self.tokens_per_rank * self.world_size  # the sampler reports longer documents as truncated
-        for step in self.steps:
-            for doc_indices in step:
+        first = self.epoch * self.steps_per_epoch
+        for index in range(first, first + self.steps_per_epoch):
+            for doc_indices in self.step(index):
+                self.current_step = index
                 yield self.micro_batch([self.documents[i][:budget] for i in doc_indices])
 
-    def pop_layout_pairs(self, micro_batches: int) -> list[int]:
-        """Per rank, causal (query, key) pairs of attention restricted to each rank's own pieces, summed
-        over the next ``micro_batches`` yielded micro-batches (the baseline's attention load)."""
+    def layout_load(self, index: int) -> list[int]:
+        """Per rank, the causal (query, key) pairs of step ``index`` of the stream with every rank
+        computing its own pieces with their full context (queries [doc_start, doc_end) of a piece
+        over keys [0, doc_end)), summed over the step's micro-batches: the attention load without
+        balancing, exactly the planner's ``load_before``, whatever the attention mode."""
+        budget = self.tokens_per_rank * self.world_size
+        lengths = self.documents.lengths
         total = [0] * self.world_size
-        for _ in range(min(micro_batches, len(self._layout_pairs))):
-            for r, n in enumerate(self._layout_pairs.popleft()):
-                total[r] += n
+        for doc_indices in self.step(index):
+            pieces = layout_pieces(
+                [min(lengths[i], budget) for i in doc_indices],
+                world_size=self.world_size,
+                tokens_per_rank=self.tokens_per_rank,
+            )
+            for rank, rank_pieces in enumerate(pieces):
+                total[rank] += sum(causal_pairs(p.doc_start, p.doc_start + p.length) for p in rank_pieces)
         return total
 
     def micro_batch(self, docs: Sequence[Sequence[int]]) -> dict:
         """This rank's share of one global micro-batch of documents."""
-        batches = layout_micro_batch(
+        mine = layout_for_rank(
             docs,
+            rank=self.rank,
             world_size=self.world_size,
             tokens_per_rank=self.tokens_per_rank,
             pad_token_id=self.pad_token_id,
         )
-        mine = batches[self.rank]
-        self._layout_pairs.append([sum(causal_pairs(0, int(p[2])) for p in b.pieces) for b in batches])
         batch = {
             "input_ids": mine.input_ids,  # (1, T)
             "position_ids": mine.position_ids,  # (1, T), true positions inside each document
@@ -181,8 +218,3 @@ class DistCADataLoader(DataLoader):
 
     def __len__(self) -> int:
         return len(self.batches)
-
-
-def count_targets(batch: dict) -> int:
-    """Training targets (labels that are not -100) in a micro-batch dict."""
-    return int(torch.as_tensor(batch["shift_labels"]).ne(-100).sum())

@@ -1,0 +1,93 @@
+"""DistCATrainer: the transformers Trainer with DistCA's data path, through documented overrides only.
+
+A callback cannot replace the Trainer's training dataloader, see each micro-batch's loss, or add
+figures to the logs before the ``report_to`` integrations (callbacks that run before user callbacks)
+receive them. This subclass overrides the methods Transformers documents for that ("Subclass and
+override"): ``get_train_dataloader``, ``training_step`` and ``log``, plus ``add_callback``; every
+DistCA setting stays in the one :class:`~hf_distca.callback.DistCACallback` the user adds.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from transformers import Trainer
+
+from hf_distca.callback import DistCACallback
+from hf_distca.data.loader import DistCADataLoader
+
+_NEEDS_CALLBACK = (
+    "DistCATrainer needs exactly one DistCACallback: DistCATrainer(..., callbacks=[hf_distca.DistCACallback("
+    "tokens_per_rank=...)]) or trainer.add_callback(hf_distca.DistCACallback(...)) before train()"
+)
+
+
+class DistCATrainer(Trainer):
+    """A ``transformers.Trainer`` that trains with DistCA; takes every Trainer argument unchanged.
+
+    Usage: ``DistCATrainer(model=..., args=..., train_dataset=tokenized_documents,
+    callbacks=[hf_distca.DistCACallback(tokens_per_rank=65536)]).train()``. The callback holds every
+    DistCA setting and may also be added later with ``trainer.add_callback``; ``train()`` without one
+    raises. ``train_dataset`` holds whole tokenized documents (an ``input_ids`` column); the callback
+    builds the token-budget batches from it, so ``per_device_train_batch_size``, ``data_collator`` and
+    the dataloader options do not apply to training.
+    """
+
+    def __init__(self, *args, **kwargs):
+        bound = inspect.signature(Trainer.__init__).bind_partial(self, *args, **kwargs)
+        callbacks = list(bound.arguments.get("callbacks") or [])
+        _refuse_callback_classes(callbacks)
+        distca = [cb for cb in callbacks if isinstance(cb, DistCACallback)]
+        if len(distca) > 1:
+            raise ValueError(f"got {len(distca)} DistCACallbacks; " + _NEEDS_CALLBACK)
+        for cb in distca:  # before Trainer.__init__, whose on_init_end runs the callback's checks
+            cb._bind(self)
+        super().__init__(*args, **kwargs)
+
+    @property
+    def distca_callback(self) -> DistCACallback:
+        """The DistCACallback of this trainer (ValueError when there is none)."""
+        found = self._distca_callback()
+        if found is None:
+            raise ValueError(_NEEDS_CALLBACK)
+        return found
+
+    def _distca_callback(self) -> DistCACallback | None:
+        found = [cb for cb in self.callback_handler.callbacks if isinstance(cb, DistCACallback)]
+        if len(found) > 1:
+            raise ValueError(f"got {len(found)} DistCACallbacks; " + _NEEDS_CALLBACK)
+        return found[0] if found else None
+
+    def add_callback(self, callback) -> None:
+        """``Trainer.add_callback``; a DistCACallback is checked and prepared at once."""
+        _refuse_callback_classes([callback])
+        if isinstance(callback, DistCACallback):
+            current = self._distca_callback()
+            if current is not None and current is not callback:
+                raise ValueError("this trainer already has a DistCACallback; " + _NEEDS_CALLBACK)
+            callback._bind(self)
+            callback._prepare(self.args, self.model)
+        super().add_callback(callback)
+
+    def get_train_dataloader(self) -> DistCADataLoader:
+        """This rank's DistCA micro-batches (global token-budget batches laid out over the ranks)."""
+        return self.distca_callback._train_dataloader()
+
+    def training_step(self, *args, **kwargs):
+        """``Trainer.training_step``; its loss also goes to the callback's per-step record."""
+        loss = super().training_step(*args, **kwargs)
+        self.distca_callback._add_loss(loss)
+        return loss
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        """``Trainer.log``; training logs (those with a ``loss``) also carry the DistCA figures."""
+        callback = self._distca_callback()
+        if callback is not None and "loss" in logs:
+            logs.update(callback.log_figures())
+        super().log(logs, *args, **kwargs)
+
+
+def _refuse_callback_classes(callbacks) -> None:
+    for cb in callbacks:
+        if isinstance(cb, type) and issubclass(cb, DistCACallback):
+            raise ValueError("pass a DistCACallback instance, e.g. DistCACallback(tokens_per_rank=65536)")
