@@ -132,13 +132,14 @@ def distca_padding_mask(
     are built by the attention function itself, so ``mask_function`` is deliberately not materialised.
     """
     if kv_offset:
-        # the cache dropped the first kv_offset keys: only a sliding-window cache does, once the
-        # sequence outgrew the window
+        # the layer's keys start at position kv_offset: a sliding-window cache dropped the earlier ones
+        # once the sequence outgrew the window (or the cache follows a layout distca does not know)
         seen = int(q_offset) + q_length
         check_window(getattr(kwargs.get("config"), "sliding_window", None), seen)
         raise UnsupportedFeatureError(
-            f"the KV cache dropped the first {int(kv_offset)} keys of the sequence; attn_implementation='distca' "
-            "attends to the whole sequence and needs every key. Use attn_implementation='sdpa' for this cache"
+            f"the KV cache holds keys from position {int(kv_offset)} on, not the whole sequence; "
+            "attn_implementation='distca' attends to every key of the sequence. Use attn_implementation='sdpa' "
+            "for this cache"
         )
     if attention_mask is None:
         seen = int(q_offset) + q_length  # tokens so far: keys [0, seen) of a static cache are filled

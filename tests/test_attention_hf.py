@@ -542,7 +542,7 @@ def test_padding_mask_function_with_a_cache():
     window = types.SimpleNamespace(sliding_window=8)
     with pytest.raises(UnsupportedFeatureError, match=r"document of 9 tokens .* \(sliding_window=8\)"):
         distca_padding_mask(1, 1, 8, q_offset=8, kv_offset=1, config=window)
-    with pytest.raises(UnsupportedFeatureError, match="dropped the first 2 keys"):
+    with pytest.raises(UnsupportedFeatureError, match="holds keys from position 2 on"):
         distca_padding_mask(1, 1, 8, q_offset=9, kv_offset=2, config=types.SimpleNamespace())
 
 
