@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The recipe on 2 GPUs: (1) DDP, FSDP2 and DeepSpeed ZeRO-3 on a Llama-3-8B-shaped model (2 layers),
-# first-step losses side by side; (2) step time of DistCA vs the same data path without disaggregation
-# (--attn local: same kernels, each rank attends within its own pieces) on long-tailed documents.
+# first-step losses side by side, and benchmarks/zero3_first_step.py (initial-weight checksums and
+# first-step losses of the random-init model built for DDP, inside deepspeed.zero.Init, and whole);
+# (2) step time of DistCA vs the same data path without disaggregation (--attn local: same kernels,
+# each rank attends within its own pieces) on long-tailed documents.
 #   bash benchmarks/gpu_training_suite.sh OUTDIR
-# Needs deepspeed importable for the ZeRO-3 run.
+# Needs deepspeed importable for the ZeRO-3 runs.
 set -u
 out="${1:?output directory}"
 mkdir -p "$out"
@@ -20,6 +22,7 @@ step() { echo "== $1" | tee -a "$log"; shift; timeout "${STEP_TIMEOUT:-300}" "$@
 step "DDP" torchrun --nproc-per-node 2 $recipe $par --output-dir $runs/ddp
 step "FSDP2" accelerate launch --config_file accelerate_configs/fsdp2_1node.yaml $recipe $par --output-dir $runs/fsdp2
 step "ZeRO-3" torchrun --nproc-per-node 2 $recipe $par --deepspeed accelerate_configs/ds_zero3.json --output-dir $runs/zero3
+step "ZeRO-3 first step" torchrun --nproc-per-node 2 benchmarks/zero3_first_step.py --out "$out"
 python benchmarks/compare_runs.py ddp=$runs/ddp fsdp2=$runs/fsdp2 zero3=$runs/zero3 --skip 0 \
     --title "DDP / FSDP2 / ZeRO-3, Llama-3-8B-shaped (2 layers), 2 x 16K tokens, bf16" > "$out/parallelisms.md" 2>>"$log"
 cat "$out/parallelisms.md"

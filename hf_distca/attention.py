@@ -6,17 +6,19 @@ forwards the 2-D padding mask, so padded batches can be unpadded here). Models t
 ``attn_implementation="distca"`` in ``from_pretrained`` / ``from_config`` and
 ``model.set_attn_implementation("distca")``.
 
-Two modes:
+Three modes:
 
 - local (default): each process computes causal attention of its own batch, document by document,
   with no communication. Document boundaries come from :mod:`hf_distca.packing`.
+- decoding with a KV cache (``model.generate()``, or any forward whose keys outnumber its queries):
+  local too; each batch row is one sequence whose queries are its last positions, attended causally
+  over the whole cache (bottom-right aligned), padding masked.
 - distributed: after :func:`enable_distca`, a forward that carries a ``distca_layout`` kwarg (an
   object with ``pieces`` and ``all_pieces``, produced by the integration layer) runs the balanced
   engine :func:`hf_distca.engine.core_attention` over the runtime's process group.
 
-This is glue only: no policy lives here. Features the kernels cannot compute exactly (sliding window
-shorter than a document, softcapping, attention dropout in training, sinks, non-causal attention,
-cross-attention, KV-cache decoding) raise instead of being silently ignored.
+This is glue only: no policy lives here. Features the kernels cannot compute exactly are refused by
+:mod:`hf_distca.features` instead of being silently ignored.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from hf_distca.config import DistCAConfig
 from hf_distca.engine import core_attention
-from hf_distca.kernels import UnsupportedFeatureError, varlen_attention
+from hf_distca.features import UnsupportedFeatureError, check_attention_call, check_window
+from hf_distca.kernels import varlen_attention
 from hf_distca.packing import (
     Unpadded,
     cu_seqlens_from_lengths,
@@ -122,15 +125,30 @@ def distca_padding_mask(
 ) -> torch.Tensor | None:
     """Mask function registered as ``"distca"`` in ``AttentionMaskInterface``.
 
-    Returns the 2-D boolean padding mask (B, kv_length) when some token is padding, else None. The
-    causal pattern and document boundaries are built by the attention function itself, so
-    ``mask_function`` (causal / sliding / packed) is deliberately not materialised.
+    Returns None when every key is a real token and the queries are the last ``q_length`` keys, else a
+    boolean mask (B, n) with ``q_length <= n <= kv_length``: keys [0, n) of each layer are the
+    sequence so far (False marks padding), keys from n on are unused slots of a static cache, and the
+    queries are the last ``q_length`` of the first n keys. The causal pattern and document boundaries
+    are built by the attention function itself, so ``mask_function`` is deliberately not materialised.
     """
+    if kv_offset:
+        # the layer's keys start at position kv_offset: a sliding-window cache dropped the earlier ones
+        # once the sequence outgrew the window (or the cache follows a layout distca does not know)
+        seen = int(q_offset) + q_length
+        check_window(getattr(kwargs.get("config"), "sliding_window", None), seen)
+        raise UnsupportedFeatureError(
+            f"the KV cache holds keys from position {int(kv_offset)} on, not the whole sequence; "
+            "attn_implementation='distca' attends to every key of the sequence. Use attn_implementation='sdpa' "
+            "for this cache"
+        )
     if attention_mask is None:
-        return None
+        seen = int(q_offset) + q_length  # tokens so far: keys [0, seen) of a static cache are filled
+        if seen >= kv_length:
+            return None
+        return torch.ones(batch_size, seen, dtype=torch.bool, device=kwargs.get("device"))  # (B, n)
     if attention_mask.dim() != 2:
         return attention_mask  # a user-built 4-D mask; the attention function refuses it clearly
-    mask = attention_mask[:, -kv_length:].bool()  # (B, kv_length)
+    mask = attention_mask[:, -kv_length:].bool()  # (B, n), n = tokens so far
     if mask.shape[1] == kv_length and bool(mask.all()):
         return None
     return mask
@@ -157,12 +175,12 @@ class _LocalBatch:
 
 
 class _OneSlotCache:
-    """Remembers the batch derived from the last set of source tensors (identity + version checked)."""
+    """Remembers the value derived from the last set of source tensors (identity + version checked)."""
 
     def __init__(self) -> None:
         self._key: tuple | None = None
         self._refs: tuple = ()
-        self._value: _LocalBatch | None = None
+        self._value: Any = None
 
     @staticmethod
     def _fingerprint(sources: tuple) -> tuple | None:
@@ -179,7 +197,7 @@ class _OneSlotCache:
                 return None
         return tuple(parts)
 
-    def get(self, shape: tuple, sources: tuple) -> _LocalBatch | None:
+    def get(self, shape: tuple, sources: tuple) -> Any:
         fp = self._fingerprint(sources)
         if fp is None or self._key != (shape, fp):
             return None
@@ -188,7 +206,7 @@ class _OneSlotCache:
                 return None
         return self._value
 
-    def put(self, shape: tuple, sources: tuple, value: _LocalBatch) -> None:
+    def put(self, shape: tuple, sources: tuple, value: Any) -> None:
         fp = self._fingerprint(sources)
         if fp is None:
             return
@@ -197,11 +215,17 @@ class _OneSlotCache:
         self._value = value
 
 
-_batch_cache = _OneSlotCache()
+_batch_cache = _OneSlotCache()  # _LocalBatch of the last forward without past keys
+_past_cache = _OneSlotCache()  # _PastBatch of the last forward with past keys
 
 
-def _padding_mask(attention_mask: torch.Tensor | None, batch: int, seq: int) -> torch.Tensor | None:
-    """The 2-D padding mask if it masks something, else None. Refuses 4-D and additive masks."""
+def _padding_mask(
+    attention_mask: torch.Tensor | None, batch: int, seq: int, kv_len: int | None = None
+) -> torch.Tensor | None:
+    """The 2-D padding mask (B, n) with seq <= n <= kv_len (see :func:`distca_padding_mask`), or None.
+
+    ``kv_len``: the number of keys (default ``seq``: no past keys). Refuses 4-D and additive masks."""
+    kv_len = seq if kv_len is None else kv_len
     if attention_mask is None:
         return None
     if attention_mask.dim() != 2:
@@ -216,10 +240,11 @@ def _padding_mask(attention_mask: torch.Tensor | None, batch: int, seq: int) -> 
             "attn_implementation='distca' expects a boolean or 0/1 integer padding mask, got dtype "
             f"{attention_mask.dtype}; pass the tokenizer's attention_mask unchanged"
         )
-    if tuple(attention_mask.shape) != (batch, seq):
+    if attention_mask.shape[0] != batch or not seq <= attention_mask.shape[1] <= kv_len:
         raise ValueError(
-            f"padding mask shaped {tuple(attention_mask.shape)} does not match the batch ({batch}, {seq}); "
-            "distca does not support a KV cache or past key values"
+            f"padding mask shaped {tuple(attention_mask.shape)} does not fit a batch of {batch} rows with {seq} "
+            f"queries and {kv_len} keys: it must be (batch, n) with {seq} <= n <= {kv_len} (the tokens so far, "
+            "past keys included)"
         )
     return attention_mask
 
@@ -254,69 +279,6 @@ def _local_batch(batch: int, seq: int, mask: torch.Tensor | None, kwargs: dict) 
     )
     _batch_cache.put((batch, seq), sources, value)
     return value
-
-
-# --------------------------------------------------------------------------------------------------
-# the attention function
-
-
-def _check_supported(
-    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, dropout: float, kwargs: dict
-) -> None:
-    if query.dim() != 4 or key.dim() != 4:
-        raise ValueError(
-            f"distca attention expects query/key/value shaped (batch, heads, seq, head_dim), got "
-            f"{tuple(query.shape)} and {tuple(key.shape)}"
-        )
-    if query.shape[2] != key.shape[2]:
-        raise UnsupportedFeatureError(
-            f"attn_implementation='distca' computes causal self-attention over whole sequences, but got "
-            f"{query.shape[2]} queries and {key.shape[2]} keys: cross-attention and generation with a KV cache "
-            "(past keys) are not supported. For inference/generation switch with "
-            "model.set_attn_implementation('sdpa')"
-        )
-    if query.shape[1] % key.shape[1] != 0:
-        raise ValueError(
-            f"query heads ({query.shape[1]}) must be a multiple of key/value heads ({key.shape[1]})"
-        )
-    if getattr(module, "is_causal", True) is False or kwargs.get("is_causal") is False:
-        raise UnsupportedFeatureError(
-            f"{type(module).__name__} is not causal; attn_implementation='distca' only computes causal "
-            "attention. Use attn_implementation='sdpa' for bidirectional/encoder attention"
-        )
-    if getattr(getattr(module, "config", None), "is_causal", True) is False:
-        raise UnsupportedFeatureError(
-            "the model config sets is_causal=False (bidirectional attention); attn_implementation='distca' "
-            "only computes causal attention. Use attn_implementation='sdpa'"
-        )
-    softcap = kwargs.get("softcap")
-    if softcap is not None and softcap != 0:
-        raise UnsupportedFeatureError(
-            f"attention logit softcapping (softcap={softcap}) is not supported by attn_implementation='distca'; "
-            "use attn_implementation='eager' or 'sdpa' for this model"
-        )
-    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
-        raise UnsupportedFeatureError(
-            "attention sinks (s_aux) are not supported by attn_implementation='distca'; use "
-            "attn_implementation='eager' for this model"
-        )
-    if dropout and dropout > 0 and module.training:
-        raise UnsupportedFeatureError(
-            f"attention dropout (p={dropout}) is not supported by attn_implementation='distca'; set the "
-            "model config's attention_dropout=0.0"
-        )
-
-
-def _check_window(sliding_window: int | None, longest: int) -> None:
-    # Transformers' sliding window lets query i see keys j with i - j < window: a document no longer
-    # than the window is unaffected, so the result is exact.
-    if sliding_window is not None and longest > sliding_window:
-        raise UnsupportedFeatureError(
-            f"a document of {longest} tokens is longer than the model's sliding window ({sliding_window}); "
-            "sliding-window attention is not supported by attn_implementation='distca'. Keep documents at most "
-            f"{sliding_window} tokens, or set the config's sliding_window=None (use_sliding_window=False) to "
-            "train with full causal attention"
-        )
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -379,7 +341,7 @@ def _run_distributed(
         for rank_pieces in all_pieces:
             for doc, start, length in rank_pieces:
                 doc_len[doc] = max(doc_len.get(doc, 0), start + length)
-        _check_window(kwargs["sliding_window"], max(doc_len.values(), default=0))
+        check_window(kwargs["sliding_window"], max(doc_len.values(), default=0))
     out = core_attention(
         _flat(query),
         _flat(key),
@@ -391,6 +353,104 @@ def _run_distributed(
         all_pieces=all_pieces,
     )  # (S, Hq, D)
     return out.view(batch, seq, *out.shape[1:])  # (1, S, Hq, D)
+
+
+# --------------------------------------------------------------------------------------------------
+# past keys (KV-cache decoding): each row is one sequence, its queries the last positions of its keys
+
+
+@dataclass
+class _PastBatch:
+    q_index: torch.Tensor | None
+    """(T_q,) rows of the valid queries in the flattened (B * S_q) queries; None: every query is valid."""
+    kv_index: torch.Tensor | None
+    """(T_k,) rows of the valid keys in the flattened (B * n) keys; None: every key is valid."""
+    q_lengths: list[int]
+    kv_lengths: list[int]
+    """Per batch row: its valid queries and keys (both 0 for a row with no valid query)."""
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+
+
+def _past_batch(batch: int, seq: int, n: int, mask: torch.Tensor | None, device: torch.device) -> _PastBatch:
+    """Varlen offsets of B sequences of ``n`` keys whose queries are the last ``seq`` positions.
+
+    The valid queries of a row are exactly its last valid keys, so bottom-right causal attention over
+    the unpadded row is causal attention over the row, padding excluded, whatever the padding pattern."""
+    sources = (mask,)
+    hit = _past_cache.get((batch, seq, n, str(device)), sources)
+    if hit is not None:
+        return hit
+    if mask is None:
+        q_lengths, kv_lengths = [seq] * batch, [n] * batch
+        q_index = kv_index = None
+    else:
+        valid = mask.to(device=device, dtype=torch.bool)  # (B, n)
+        query_valid = valid[:, n - seq :]  # (B, S_q)
+        valid = valid & query_valid.any(dim=1, keepdim=True)  # a row without valid queries drops out
+        queries, keys = unpad(query_valid), unpad(valid)
+        q_index, kv_index = queries.indices, keys.indices
+        q_lengths, kv_lengths = queries.lengths, keys.lengths
+    value = _PastBatch(
+        q_index=q_index,
+        kv_index=kv_index,
+        q_lengths=q_lengths,
+        kv_lengths=kv_lengths,
+        cu_q=cu_seqlens_from_lengths(q_lengths, device=device),
+        cu_k=cu_seqlens_from_lengths(kv_lengths, device=device),
+    )
+    _past_cache.put((batch, seq, n, str(device)), sources, value)
+    return value
+
+
+def _run_with_past(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float | None,
+    config: DistCAConfig,
+    kwargs: dict,
+) -> torch.Tensor:
+    """Causal attention of queries (B, Hq, S_q, D) over keys (B, Hkv, S_k, D), S_q <= S_k; no communication.
+
+    ``mask``: None or (B, n) as returned by :func:`_padding_mask`; keys from n on are unused cache slots.
+    Returns (B, S_q, Hq, D), zeros at padded queries."""
+    if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
+        raise ValueError(
+            f"got packed-sequence kwargs (cu_seq_lens_q/k) with {key.shape[2] - query.shape[2]} past keys; "
+            "distca decodes with a KV cache one sequence per batch row. Pass padded rows and an attention_mask"
+        )
+    batch, num_heads, seq, head_dim = query.shape
+    n = key.shape[2] if mask is None else mask.shape[1]
+    past = _past_batch(batch, seq, n, mask, query.device)
+    check_window(kwargs.get("sliding_window"), max(past.kv_lengths, default=0))
+    q = _flat(query)  # (B * S_q, Hq, D)
+    k, v = _flat(key[:, :, :n]), _flat(value[:, :, :n])  # (B * n, Hkv, D)
+    if past.q_index is not None:
+        q = q.index_select(0, past.q_index)  # (T_q, Hq, D)
+        k, v = k.index_select(0, past.kv_index), v.index_select(0, past.kv_index)  # (T_k, Hkv, D)
+    if q.shape[0] == 0:
+        out = q * 0  # (0, Hq, D): every query is padding
+    else:
+        out = varlen_attention(
+            q,
+            k,
+            v,
+            past.cu_q,
+            past.cu_k,
+            max(past.q_lengths),
+            max(past.kv_lengths),
+            scale=scaling,
+            backend=config.backend,
+        )  # (T_q, Hq, D)
+    if past.q_index is not None:
+        out = scatter_rows(out, Unpadded(past.q_index, past.q_lengths, batch * seq))  # (B * S_q, Hq, D)
+    return out.view(batch, seq, num_heads, head_dim)  # (B, S_q, Hq, D)
+
+
+# --------------------------------------------------------------------------------------------------
+# the attention function
 
 
 def distca_attention_forward(
@@ -405,25 +465,34 @@ def distca_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """Attention function registered as ``"distca"`` in ``transformers.AttentionInterface``.
 
-    query: (B, Hq, S, D); key, value: (B, Hkv, S, D) with Hq % Hkv == 0 (GQA). Returns
-    ``(out, None)`` with out (B, S, Hq, D). Causal within each document, never across documents:
-    boundaries from ``cu_seq_lens_q/k`` (packed batch of 1 row), else ``position_ids``, else one
-    document per row; a 2-D padding mask unpads each row into one document (padded outputs are 0).
-    A ``distca_layout`` kwarg selects the distributed engine (needs :func:`enable_distca`).
+    query: (B, Hq, S, D); key, value: (B, Hkv, S_k, D) with Hq % Hkv == 0 (GQA) and S <= S_k. Returns
+    ``(out, None)`` with out (B, S, Hq, D). Without past keys (S_k == S): causal within each document,
+    never across documents: boundaries from ``cu_seq_lens_q/k`` (packed batch of 1 row), else
+    ``position_ids``, else one document per row; a 2-D padding mask unpads each row into one document.
+    With past keys (S_k > S, a KV cache): each row is one sequence whose queries are its last S
+    positions, causal over the whole row. Padded outputs are 0. A ``distca_layout`` kwarg selects the
+    distributed engine (needs :func:`enable_distca`).
     """
-    _check_supported(module, query, key, dropout, kwargs)
+    check_attention_call(module, query, key, dropout, kwargs)
+    batch, num_heads, seq, head_dim = query.shape
     layout = kwargs.get("distca_layout")
     if layout is not None:
+        if key.shape[2] != seq:
+            raise ValueError(
+                f"a forward with a distca_layout got {key.shape[2] - seq} past keys from a KV cache; training "
+                "forwards attend within their own tokens: pass use_cache=False (or model.config.use_cache=False)"
+            )
         out = _run_distributed(module, query, key, value, attention_mask, scaling, layout, kwargs)
         return out, None
 
-    batch, num_heads, seq, head_dim = query.shape
-    mask = _padding_mask(attention_mask, batch, seq)
-    local = _local_batch(batch, seq, mask, kwargs)
-    _check_window(kwargs.get("sliding_window"), local.max_len)
     runtime = getattr(module, RUNTIME_ATTR, None)
     config = runtime.config if runtime is not None else _DEFAULT_CONFIG
+    mask = _padding_mask(attention_mask, batch, seq, key.shape[2])
+    if key.shape[2] != seq or (mask is not None and mask.shape[1] != seq):
+        return _run_with_past(query, key, value, mask, scaling, config, kwargs), None
 
+    local = _local_batch(batch, seq, mask, kwargs)
+    check_window(kwargs.get("sliding_window"), local.max_len)
     q, k, v = _flat(query), _flat(key), _flat(value)  # (B * S, H, D)
     if local.unpadded is not None:
         idx = local.unpadded.indices

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 KERNEL_BACKENDS = ("auto", "reference", "torch_varlen", "flash_attn")
@@ -12,8 +13,8 @@ class DistCAConfig:
     """Knobs of the core-attention engine. Every rank must use an identical config."""
 
     tolerance: float = 0.1
-    """Balance target: planning stops once every server's attention FLOPs are within
-    (1 + tolerance) x the mean over servers."""
+    """Balance target: planning stops once every server's attention cost (causal (query, key) pairs, or
+    measured seconds with ``cost_table``) is within (1 + tolerance) x the mean over servers."""
 
     shard_tokens: int = 128
     """Granularity of task splitting: a split point inside a document sits on a multiple of this
@@ -31,6 +32,12 @@ class DistCAConfig:
     max_planner_moves: int = 100_000
     """Safety bound on greedy moves per plan (planning stops early, never loops forever)."""
 
+    cost_table: str | None = None
+    """Path of a measured CA-task time table (JSON, written by ``python -m hf_distca.calibrate --out
+    PATH`` on the training GPUs with the model's head shape and dtype): the planner then balances
+    measured time, which prices short shards' lower kernel efficiency, instead of causal (query, key)
+    pairs. Every rank must read the same table. None: causal pairs."""
+
     verify_plan: bool = False
     """Debug mode: all-gather a hash of the plan and raise if ranks disagree (costs one collective)."""
 
@@ -46,5 +53,18 @@ class DistCAConfig:
             )
         if self.backend not in KERNEL_BACKENDS:
             raise ValueError(f"DistCAConfig.backend must be one of {KERNEL_BACKENDS}, got {self.backend!r}")
+        if self.cost_table is not None:
+            if not isinstance(self.cost_table, str) or not self.cost_table:
+                raise ValueError(
+                    f"DistCAConfig.cost_table must be a path (str) or None, got {self.cost_table!r}"
+                )
+            if not os.path.isfile(self.cost_table):
+                raise ValueError(
+                    f"DistCAConfig.cost_table={self.cost_table!r} is not a file; write it with "
+                    f"python -m hf_distca.calibrate --out {self.cost_table}"
+                )
+            from hf_distca.planning.cost import cost_model_from_config
+
+            cost_model_from_config(self)  # a malformed table raises here, naming the file
         if self.max_planner_moves < 0:
             raise ValueError(f"DistCAConfig.max_planner_moves must be >= 0, got {self.max_planner_moves!r}")

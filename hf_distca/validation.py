@@ -6,7 +6,7 @@ import os
 
 import torch.distributed as dist
 
-from hf_distca.kernels import UnsupportedFeatureError
+from hf_distca.features import check_model_config
 
 
 def check_launch(args) -> int:
@@ -29,38 +29,14 @@ def check_launch(args) -> int:
 
 
 def check_model_supported(model, *, max_document_tokens: int, disaggregate: bool = True) -> None:
-    """Raise UnsupportedFeatureError for attention the engine cannot serve exactly.
+    """Raise before training for a model DistCA cannot serve exactly (see :mod:`hf_distca.features`).
 
-    max_document_tokens: the longest document a micro-batch can hold (tokens_per_rank x world)."""
+    max_document_tokens: the longest document a micro-batch can hold (tokens_per_rank x world).
+    disaggregate: the model must then use ``attn_implementation="distca"``."""
     cfg = getattr(model, "config", None)
     if cfg is None:
         raise ValueError("DistCA needs a transformers PreTrainedModel (a model with a .config)")
-    name = type(model).__name__
-    if getattr(cfg, "is_encoder_decoder", False):
-        raise UnsupportedFeatureError(
-            f"{name} is an encoder-decoder model: cross-attention is not supported; use a decoder-only model"
-        )
-    if getattr(cfg, "is_causal", True) is False:
-        raise UnsupportedFeatureError(
-            f"{name} is configured non-causal (is_causal=False); DistCA is causal only"
-        )
-    for key in ("attn_logit_softcapping", "attn_softcap"):
-        if getattr(cfg, key, None):
-            raise UnsupportedFeatureError(
-                f"{name} uses attention logit softcapping ({key}={getattr(cfg, key)}); not supported by DistCA"
-            )
-    window = getattr(cfg, "sliding_window", None)
-    uses_window = window is not None and getattr(cfg, "use_sliding_window", True) is not False
-    if uses_window and window < max_document_tokens:
-        raise UnsupportedFeatureError(
-            f"{name} uses sliding-window attention (sliding_window={window}) and documents may reach "
-            f"{max_document_tokens} tokens; set config.sliding_window=None (or use_sliding_window=False) or "
-            "keep tokens_per_rank x world_size <= the window"
-        )
-    if getattr(cfg, "attention_dropout", 0.0):
-        raise UnsupportedFeatureError(
-            f"{name} has attention_dropout={cfg.attention_dropout}; DistCA kernels have no dropout: set it to 0.0"
-        )
+    check_model_config(cfg, model_name=type(model).__name__, max_document_tokens=max_document_tokens)
     impl = getattr(cfg, "_attn_implementation", None)
     if disaggregate and impl != "distca":
         raise ValueError(

@@ -12,6 +12,7 @@ attention load, and the final model (``save_pretrained``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -113,7 +114,38 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def build_model(args, vocab_size: int, dtype: torch.dtype):
+@contextlib.contextmanager
+def built_whole(training_args):
+    """Build models whole on every rank, even when ``training_args`` enabled DeepSpeed ZeRO-3.
+
+    Under ZeRO-3 Transformers builds a model inside ``deepspeed.zero.Init``: parameters are partitioned
+    as they are created and random init runs afterwards on rank 0, drawing the random numbers in
+    another order than a plain build, so the same seed gives other weights than under DDP or FSDP.
+    Built whole, a random-init model gets the same weights under every parallelism; DeepSpeed
+    partitions it when the Trainer wraps the model. (Checkpoints load their weights and keep
+    zero.Init's memory savings: only the built-in random-init models are built this way.)
+    """
+    from transformers.integrations import (
+        is_deepspeed_zero3_enabled,
+        set_hf_deepspeed_config,
+        unset_hf_deepspeed_config,
+    )
+
+    plugin = getattr(training_args, "deepspeed_plugin", None)
+    # the object through which Transformers sees the DeepSpeed config: the Trainer's (--deepspeed) or
+    # Accelerate's (accelerate launch with a DeepSpeed config)
+    holder = getattr(training_args, "hf_deepspeed_config", None) or getattr(plugin, "dschf", None)
+    if holder is None or not is_deepspeed_zero3_enabled():
+        yield
+        return
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        set_hf_deepspeed_config(holder)
+
+
+def build_model(args, vocab_size: int, dtype: torch.dtype, training_args=None):
     attn = ATTN[args.attn]
     if args.model in BUILTIN_MODELS:
         from transformers import LlamaConfig
@@ -131,7 +163,7 @@ def build_model(args, vocab_size: int, dtype: torch.dtype):
             if torch.cuda.is_available() and not args.cpu
             else "cpu"
         )
-        with torch.device(device):
+        with torch.device(device), built_whole(training_args):
             return AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
     config = AutoConfig.from_pretrained(args.model)
     if config.vocab_size < vocab_size:
@@ -291,7 +323,7 @@ def main(argv=None) -> dict:
         vocab_size = len(tokenizer)
 
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    model = build_model(args, vocab_size, dtype)
+    model = build_model(args, vocab_size, dtype, training_args)
     if args.gradient_checkpointing:
         model.config.use_cache = False
 

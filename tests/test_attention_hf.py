@@ -2,8 +2,9 @@
 
 The oracle is the same model under SDPA run document by document (each document its own batch of 1),
 so a packed batch must reproduce it exactly up to float32 rounding: logits and the gradient of every
-parameter. Also: packing helpers, padding, save/reload, gradient checkpointing, every refusal, and
-the distributed path (enable_distca + distca_layout) on 1 and 2 processes.
+parameter. Also: packing helpers, padding, save/reload, gradient checkpointing, generation with a KV
+cache (token for token against SDPA), every refusal, and the distributed path (enable_distca +
+distca_layout) on 1 and 2 processes.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from transformers import (
 import hf_distca
 from hf_distca import DistCAConfig, enable_distca
 from hf_distca.attention import distca_attention_forward, distca_padding_mask
-from hf_distca.kernels import UnsupportedFeatureError
+from hf_distca.features import UnsupportedFeatureError
 from hf_distca.packing import (
     lengths_from_cu_seqlens,
     lengths_from_position_ids,
@@ -285,7 +286,7 @@ def test_sliding_window_shorter_than_a_document_raises():
     docs = random_docs(DOC_SETS["mixed"], seed=11)
     model = tiny_model("mistral", sliding_window=299)
     with pytest.raises(
-        UnsupportedFeatureError, match=r"document of 300 tokens is longer than .* window \(299\)"
+        UnsupportedFeatureError, match=r"document of 300 tokens is longer than .* \(sliding_window=299\)"
     ):
         model(**packed_batch(docs))
 
@@ -421,9 +422,9 @@ def test_dropout_is_fine_in_eval_and_window_is_fine_when_it_fits():
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
-def test_cross_attention_raises():
-    q, k, v = _qkv(seq=4, kv_seq=6)
-    with pytest.raises(UnsupportedFeatureError, match="cross-attention and generation with a KV cache"):
+def test_more_queries_than_keys_raises():
+    q, k, v = _qkv(seq=6, kv_seq=4)
+    with pytest.raises(UnsupportedFeatureError, match="6 queries and only 4 keys: cross-attention"):
         distca_attention_forward(_module(), q, k, v, None)
 
 
@@ -468,11 +469,159 @@ def test_training_with_attention_dropout_raises_in_model():
         assert torch.isfinite(model(input_ids=torch.randint(0, 128, (1, 6))).logits).all()
 
 
-def test_generation_with_kv_cache_raises():
-    model = tiny_model("llama")
+# ---------------------------------------------------------------------------------------------------------
+# past keys (KV cache): queries are the last positions of each row, causal over the whole row
+
+
+def masked_oracle(q, k, v, mask, scale):
+    """float64 attention where query i of row b sits at key position n - S_q + i and sees the valid keys
+    up to it. q: (B, Hq, S_q, D); k, v: (B, Hkv, S_k, D); mask: (B, n) bool. Returns (B, S_q, Hq, D)."""
+    batch, hq, seq, _ = q.shape
+    n = mask.shape[1]
+    k, v = k[:, :, :n].double(), v[:, :, :n].double()
+    rep = hq // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (B, Hq, n, D)
+    scores = torch.einsum("bhqd,bhkd->bhqk", q.double(), k) * scale  # (B, Hq, S_q, n)
+    pos = torch.arange(n - seq, n)[:, None]  # (S_q, 1) key position of each query
+    allowed = (torch.arange(n)[None, :] <= pos) & mask[:, None, None, :]  # (B, 1, S_q, n)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no visible key -> 0
+    out = torch.einsum("bhqk,bhkd->bqhd", probs, v)  # (B, S_q, Hq, D)
+    return out * mask[:, n - seq :, None, None]  # padded queries -> 0
+
+
+@pytest.mark.parametrize("n", [9, 7])  # 9: every key slot used; 7: two unused slots of a static cache
+def test_past_keys_match_the_masked_oracle_with_gradients(n):
+    g = torch.Generator().manual_seed(43)
+    q = torch.randn(4, 4, 3, 8, generator=g, requires_grad=True)  # 3 queries: the last 3 of n positions
+    k = torch.randn(4, 2, 9, 8, generator=g, requires_grad=True)
+    v = torch.randn(4, 2, 9, 8, generator=g, requires_grad=True)
+    mask = torch.ones(4, n, dtype=torch.bool)
+    mask[0, :4] = False  # left padding (what generate passes)
+    mask[1, 2] = False  # a hole
+    mask[2, :] = False
+    mask[2, :3] = True  # valid keys but every query is padding: the row drops out, output 0
+    # row 3: no padding
+    out, _ = distca_attention_forward(_module(), q, k, v, mask, scaling=0.3)
+    want = masked_oracle(q, k, v, mask, 0.3)
+    rtol, atol = TOL["fp32"]
+    torch.testing.assert_close(out.double(), want, rtol=rtol, atol=atol)
+    assert out[2].abs().max() == 0 and out[0].abs().min() > 0
+    w = torch.randn(out.shape, generator=g)
+    got_grads = torch.autograd.grad((out * w).sum(), (q, k, v))
+    want_grads = torch.autograd.grad((want * w.double()).sum(), (q, k, v))
+    for got, ref in zip(got_grads, want_grads):
+        torch.testing.assert_close(got.double(), ref.double(), rtol=rtol, atol=atol)
+    assert (
+        float(got_grads[1][:, :, n:].abs().sum() + got_grads[2][:, :, n:].abs().sum()) == 0.0
+    )  # unused slots
+
+
+def test_past_keys_without_mask_are_bottom_right_causal():
+    g = torch.Generator().manual_seed(47)
+    q, k, v = (
+        torch.randn(2, 4, 2, 8, generator=g),
+        torch.randn(2, 2, 6, 8, generator=g),
+        torch.randn(2, 2, 6, 8, generator=g),
+    )
+    out, _ = distca_attention_forward(_module(), q, k, v, None)
+    want = masked_oracle(q, k, v, torch.ones(2, 6, dtype=torch.bool), 8**-0.5)
+    torch.testing.assert_close(out.double(), want, rtol=TOL["fp32"][0], atol=TOL["fp32"][1])
+
+
+def test_padding_mask_function_with_a_cache():
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    # dynamic cache: 3 past + 1 new token, the mask covers all 4
+    got = distca_padding_mask(2, 1, 4, q_offset=3, attention_mask=mask)
+    assert got.tolist() == [[False, True, True, True], [True, True, True, True]]
+    assert distca_padding_mask(2, 1, 4, q_offset=3, attention_mask=torch.ones(2, 4)) is None
+    # static cache of 10 slots, 4 tokens so far: the mask keeps its width, no mask -> all-true of width 4
+    assert distca_padding_mask(2, 1, 10, q_offset=3, attention_mask=mask).shape == (2, 4)
+    assert distca_padding_mask(2, 1, 10, q_offset=3, attention_mask=None).tolist() == [[True] * 4] * 2
+    assert distca_padding_mask(2, 4, 4, q_offset=0, attention_mask=None) is None
+    window = types.SimpleNamespace(sliding_window=8)
+    with pytest.raises(UnsupportedFeatureError, match=r"document of 9 tokens .* \(sliding_window=8\)"):
+        distca_padding_mask(1, 1, 8, q_offset=8, kv_offset=1, config=window)
+    with pytest.raises(UnsupportedFeatureError, match="holds keys from position 2 on"):
+        distca_padding_mask(1, 1, 8, q_offset=9, kv_offset=2, config=types.SimpleNamespace())
+
+
+def test_past_keys_refusals():
+    q, k, v = _qkv(seq=2, kv_seq=6)
+    with pytest.raises(ValueError, match=r"must be \(batch, n\) with 2 <= n <= 6"):
+        distca_attention_forward(_module(), q, k, v, torch.ones(1, 7, dtype=torch.bool))
+    cu = torch.tensor([0, 2], dtype=torch.int32)
+    with pytest.raises(ValueError, match="4 past keys"):
+        distca_attention_forward(_module(), q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    layout = types.SimpleNamespace(pieces=[(0, 0, 2)], all_pieces=[[(0, 0, 2)]])
+    module = _module()
+    enable_distca(module)
+    with pytest.raises(ValueError, match="use_cache=False"):
+        distca_attention_forward(module, q, k, v, None, distca_layout=layout)
+
+
+def left_padded_prompts(lengths: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts of different lengths, left-padded to the longest (what generate expects)."""
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, doc in enumerate(random_docs(lengths, seed=seed)):
+        ids[row, width - len(doc) :] = torch.tensor(doc)
+        mask[row, width - len(doc) :] = 1
+    return ids, mask
+
+
+def greedy(model, attn: str, max_new_tokens: int = 8, **inputs):
+    model.set_attn_implementation(attn)
+    with torch.no_grad():
+        return model.generate(
+            **inputs,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generate_matches_sdpa_token_for_token(cache):
+    model = tiny_model("llama", eos_token_id=None, pad_token_id=0)
     model.eval()
-    with pytest.raises(UnsupportedFeatureError, match="KV cache"):
-        model.generate(torch.randint(0, 128, (1, 5)), max_new_tokens=3, do_sample=False)
+    ids, mask = left_padded_prompts([7, 3, 12, 1], seed=53)
+    prompts = [{"input_ids": ids, "attention_mask": mask}, {"input_ids": ids[2:3]}]  # batch 4 padded; 1 alone
+    for inputs in prompts:
+        want = greedy(model, "sdpa", cache_implementation=cache, **inputs)
+        got = greedy(model, "distca", cache_implementation=cache, **inputs)
+        assert got.sequences.shape == (inputs["input_ids"].shape[0], inputs["input_ids"].shape[1] + 8)
+        assert torch.equal(got.sequences, want.sequences)
+        assert len(got.logits) == 8
+        for step_got, step_want in zip(got.logits, want.logits):
+            assert_logits_close(step_got, step_want)
+    assert len(set(got.sequences[:, -8:].flatten().tolist())) > 4  # not a degenerate repeat of one token
+
+    # a packed training forward after generating is still exact (no state leaks between the paths)
+    model.train()
+    docs = random_docs(DOC_SETS["mixed"], seed=59)
+    ref_logits, ref_grads = per_document_reference(model, docs)
+    logits, grads = packed_run(model, docs, **{k: v for k, v in packed_batch(docs).items() if k != "labels"})
+    assert_logits_close(logits, ref_logits)
+    assert_grads_close(grads, ref_grads)
+
+
+def test_generate_sliding_window_exact_inside_the_window_refused_beyond():
+    model = tiny_model("mistral", sliding_window=16, eos_token_id=None, pad_token_id=0)
+    model.eval()
+    ids, mask = left_padded_prompts([5, 8], seed=61)
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    # the last forward attends over 8 prompt positions + 8 generated tokens: the window never cuts
+    want = greedy(model, "sdpa", max_new_tokens=9, **inputs)
+    got = greedy(model, "distca", max_new_tokens=9, **inputs)
+    assert torch.equal(got.sequences, want.sequences)
+    for step_got, step_want in zip(got.logits, want.logits):
+        assert_logits_close(step_got, step_want)
+    model.set_attn_implementation("distca")
+    with pytest.raises(UnsupportedFeatureError, match=r"\(sliding_window=16\)"), torch.no_grad():
+        model.generate(**inputs, max_new_tokens=10, do_sample=False)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -509,7 +658,7 @@ def test_distributed_path_refuses_documents_longer_than_the_window():
     q, k, v = _qkv(seq=6)
     # document 0 is 10 tokens long in total (4 of them held by another rank): longer than the window
     layout = types.SimpleNamespace(pieces=[(0, 4, 6)], all_pieces=[[(0, 4, 6)], [(0, 0, 4)]])
-    with pytest.raises(UnsupportedFeatureError, match=r"document of 10 tokens .* sliding window \(8\)"):
+    with pytest.raises(UnsupportedFeatureError, match=r"document of 10 tokens .* \(sliding_window=8\)"):
         distca_attention_forward(module, q, k, v, None, sliding_window=8, distca_layout=layout)
 
 

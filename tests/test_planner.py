@@ -19,14 +19,16 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from oracle import TOL, Layout, long_tailed_lengths, pack_sequential, scatter
 
-from hf_distca import DistCAConfig, Piece, PieceError, plan_core_attention
+from hf_distca import DistCAConfig, Piece, PieceError, calibrate, plan_core_attention
 from hf_distca.planning import (
-    CausalFlopsCost,
+    CausalPairsCost,
     DocIndex,
     MeasuredCost,
     build_rank_layout,
     causal_pairs,
+    cost_model_from_config,
 )
+from hf_distca.planning.cost import write_cost_table
 
 Q_ROW, KV_ROW = 64, 48  # bytes per token of Q (= output) and of K plus V, as the engine would pass them
 
@@ -73,7 +75,7 @@ def owner_map(layout: Layout) -> dict[int, np.ndarray]:
 
 def check_plan(plan, layout: Layout, config: DistCAConfig, cost=None) -> None:
     """Every invariant of a plan that does not depend on which greedy choices were made."""
-    cost = cost or CausalFlopsCost()
+    cost = cost or CausalPairsCost()
     world = layout.world
     lens = dict(zip(layout.doc_ids, layout.doc_lens))
     owner = owner_map(layout)
@@ -101,7 +103,7 @@ def check_plan(plan, layout: Layout, config: DistCAConfig, cost=None) -> None:
     # 2. loads: before = each rank's own pieces, after = its tasks; the cost is conserved
     before = [sum(cost.task_cost(s, s + n) for _, s, n in pieces) for pieces in layout.pieces]
     after = [sum(cost.task_cost(t.q_start, t.q_end) for t in ts) for ts in plan.tasks]
-    if isinstance(cost, CausalFlopsCost):  # additive: merging touching pieces changes nothing
+    if isinstance(cost, CausalPairsCost):  # additive: merging touching pieces changes nothing
         assert plan.load_before == before
         assert sum(plan.load_after) == sum(plan.load_before)
     assert plan.load_after == after
@@ -110,7 +112,7 @@ def check_plan(plan, layout: Layout, config: DistCAConfig, cost=None) -> None:
     if plan.imbalance_before <= 1 + config.tolerance:
         assert plan.moves == 0
     if plan.moves == 0:
-        assert plan.load_after == plan.load_before or not isinstance(cost, CausalFlopsCost)
+        assert plan.load_after == plan.load_before or not isinstance(cost, CausalPairsCost)
         for s, tasks in enumerate(plan.tasks):  # tasks are exactly the own pieces (merged)
             assert all((owner[t.doc_id][t.q_start : t.q_end] == s).all() for t in tasks)
 
@@ -462,7 +464,7 @@ def test_measured_cost_sanity():
         MeasuredCost([1, 2], [1, 2, 3], [[1, 2], [3, 4]])
     with pytest.raises(ValueError, match="strictly increasing"):
         MeasuredCost([2, 1], [1, 2], [[1, 2], [3, 4]])
-    assert CausalFlopsCost().task_cost(5, 9) == causal_pairs(5, 9) == 9 * 10 // 2 - 5 * 6 // 2
+    assert CausalPairsCost().task_cost(5, 9) == causal_pairs(5, 9) == 9 * 10 // 2 - 5 * 6 // 2
 
 
 def test_measured_cost_monotone_near_diagonal():
@@ -488,6 +490,66 @@ def test_planner_with_measured_cost():
     check_plan(plan, layout, cfg, cost)
     simulate(plan, layout)
     assert plan.moves > 0 and plan.imbalance_after < plan.imbalance_before / 2
+
+
+def test_cost_table_file_round_trip_and_config(tmp_path):
+    q_lens, kv_lens = [16, 128, 1024], [128, 1024, 8192]
+    pairs_seconds = _pairs_table(q_lens, kv_lens, per_pair=3e-9)
+    seconds = [
+        [t if q <= kv else None for t, kv in zip(row, kv_lens)] for q, row in zip(q_lens, pairs_seconds)
+    ]
+    seconds[0][0] = 5e-6  # a short shard slower than its pairs say
+    path = tmp_path / "table.json"
+    write_cost_table(path, q_lens, kv_lens, seconds, {"device": "test"})
+    config = DistCAConfig(cost_table=str(path))
+    cost = cost_model_from_config(config)
+    assert isinstance(cost, MeasuredCost) and cost_model_from_config(config) is cost  # loaded once
+    assert cost.task_cost(128 - 16, 128) == pytest.approx(5e-6, rel=1e-12)
+    assert cost.task_cost(8192 - 1024, 8192) == pytest.approx(
+        causal_pairs(8192 - 1024, 8192) * 3e-9, rel=1e-12
+    )
+    assert f"sha256={cost.digest()[:16]}" in repr(cost)
+    seconds[1][1] *= 2  # another table: another digest (the plan-consistency check can tell them apart)
+    write_cost_table(tmp_path / "other.json", q_lens, kv_lens, seconds)
+    assert MeasuredCost.from_json(tmp_path / "other.json").digest() != cost.digest()
+    assert isinstance(cost_model_from_config(DistCAConfig()), CausalPairsCost)
+
+    with pytest.raises(
+        ValueError, match=r"cost_table='.*missing.json' is not a file; write it with python -m"
+    ):
+        DistCAConfig(cost_table=str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="must be a path"):
+        DistCAConfig(cost_table=3)
+    (tmp_path / "bad.json").write_text('{"q_lens": [1]}')
+    with pytest.raises(ValueError, match="is not a cost table"):
+        DistCAConfig(cost_table=str(tmp_path / "bad.json"))
+    (tmp_path / "neg.json").write_text(
+        '{"format": "hf_distca.cost_table/1", "q_lens": [1], "kv_lens": [4], "seconds": [[-1.0]]}'
+    )
+    with pytest.raises(ValueError, match=r"neg.json'.*must be a positive time"):
+        DistCAConfig(cost_table=str(tmp_path / "neg.json"))
+
+
+def test_calibrate_command_end_to_end_on_cpu(tmp_path):
+    """The calibration command with the reference kernel on a tiny grid; the planner then plans with it."""
+    out = tmp_path / "cost.json"
+    argv = ["--out", str(out), "--device", "cpu", "--backend", "reference", "--dtype", "float32"]
+    argv += ["--q-lens", "32", "128", "--kv-lens", "64", "128", "--heads", "2", "--kv-heads", "1"]
+    argv += ["--head-dim", "8", "--fuse-tokens", "256", "--warmup", "1", "--repeats", "2"]
+    table = calibrate.main(argv)
+    assert table.seconds.shape == (2, 2) and np.isnan(table.seconds[1, 0])  # q 128 > kv 64: no such task
+    assert (table.seconds[[0, 0, 1], [0, 1, 1]] > 0).all()
+    config = DistCAConfig(cost_table=str(out), shard_tokens=32)
+    cost = cost_model_from_config(config)
+    assert cost.digest() == table.digest()
+    pieces = [[(0, 0, 512)], [(1, 0, 64)], [(2, 0, 64)]]
+    plan = _plan(pieces, config, cost_model=cost)
+    layout = Layout("calibrated", [0, 1, 2], [512, 64, 64], pieces)
+    check_plan(plan, layout, config, cost)
+    simulate(plan, layout)
+    assert plan.moves > 0 and plan.imbalance_after < plan.imbalance_before
+    with pytest.raises(SystemExit):
+        calibrate.parse_args(["--out", str(out), "--heads", "3", "--kv-heads", "2"])
 
 
 # ----------------------------------------------------------------------------------------- performance

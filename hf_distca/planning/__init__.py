@@ -1,13 +1,13 @@
 """Planning: pure Python/NumPy, no torch.distributed, no CUDA."""
 
-from hf_distca.planning.cost import CausalFlopsCost, MeasuredCost, causal_pairs
+from hf_distca.planning.cost import CausalPairsCost, MeasuredCost, causal_pairs, cost_model_from_config
 from hf_distca.planning.layout import RankLayout, build_rank_layout
 from hf_distca.planning.pieces import DocIndex, Piece, PieceError
 from hf_distca.planning.planner import CATask, CorePlan, plan_core_attention
 
 __all__ = [
     "CATask",
-    "CausalFlopsCost",
+    "CausalPairsCost",
     "CorePlan",
     "DocIndex",
     "MeasuredCost",
@@ -16,5 +16,6 @@ __all__ = [
     "RankLayout",
     "build_rank_layout",
     "causal_pairs",
+    "cost_model_from_config",
     "plan_core_attention",
 ]

@@ -1,10 +1,24 @@
-"""Cost models for CA-tasks: how expensive is computing queries [a, b) of a document against keys [0, b)."""
+"""Cost models for CA-tasks: how expensive is computing queries [a, b) of a document against keys [0, b).
+
+A cost model is any object with ``task_cost(a, b) -> float``; the planner only compares and adds
+costs, so their unit is free. :func:`cost_model_from_config` picks the one a :class:`DistCAConfig`
+asks for: :class:`CausalPairsCost` by default, :class:`MeasuredCost` from the table of
+``DistCAConfig.cost_table`` (written by ``python -m hf_distca.calibrate``).
+"""
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
+import math
+import os
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
+
+COST_TABLE_FORMAT = "hf_distca.cost_table/1"
 
 
 def causal_pairs(a: int, b: int) -> int:
@@ -12,14 +26,18 @@ def causal_pairs(a: int, b: int) -> int:
     return (b * (b + 1) - a * (a + 1)) // 2
 
 
-class CausalFlopsCost:
-    """Cost = causal (query, key) pairs. Multiply by 4 * heads * head_dim for forward FLOPs."""
+class CausalPairsCost:
+    """Cost of a task = its causal (query, key) pairs, :func:`causal_pairs`; the default cost model.
+
+    Proportional to the task's attention FLOPs (forward: 4 x heads x head_dim x pairs), which is what
+    the kernel's time follows once shards are long (>= ~128 tokens)."""
 
     def task_cost(self, a: int, b: int) -> float:
+        """Causal (query, key) pairs of queries [a, b) over keys [0, b), as a float."""
         return float(causal_pairs(a, b))
 
     def __repr__(self) -> str:
-        return "CausalFlopsCost()"
+        return "CausalPairsCost()"
 
 
 class MeasuredCost:
@@ -66,6 +84,36 @@ class MeasuredCost:
             if np.isnan(rate[:, j]).all():
                 rate[:, j] = rate[:, j + 1]
         self.rate = rate
+        self.seconds = table
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> MeasuredCost:
+        """Load a table written by ``python -m hf_distca.calibrate`` (see :func:`write_cost_table`)."""
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, json.JSONDecodeError) as err:
+            raise ValueError(f"cannot read the cost table {os.fspath(path)!r}: {err}") from err
+        if not isinstance(data, dict) or data.get("format") != COST_TABLE_FORMAT:
+            raise ValueError(
+                f"{os.fspath(path)!r} is not a cost table (expected a JSON object with "
+                f"format={COST_TABLE_FORMAT!r}); write one with python -m hf_distca.calibrate --out {os.fspath(path)}"
+            )
+        missing = [k for k in ("q_lens", "kv_lens", "seconds") if k not in data]
+        if missing:
+            raise ValueError(f"cost table {os.fspath(path)!r} lacks {missing}")
+        seconds = [[math.nan if x is None else float(x) for x in row] for row in data["seconds"]]
+        try:
+            return cls(data["q_lens"], data["kv_lens"], seconds)
+        except ValueError as err:
+            raise ValueError(f"cost table {os.fspath(path)!r}: {err}") from err
+
+    def digest(self) -> str:
+        """sha256 of the grid and the measured times: equal tables give equal plans on every rank."""
+        h = hashlib.sha256()
+        for array in (self.q_lens, self.kv_lens, np.nan_to_num(self.seconds, nan=-1.0)):
+            h.update(np.ascontiguousarray(array, dtype=np.float64).tobytes())
+        return h.hexdigest()
 
     def task_cost(self, a: int, b: int) -> float:
         q_len, kv_len = b - a, b
@@ -78,9 +126,54 @@ class MeasuredCost:
         return _shape_pairs(q_len, kv_len) / rate
 
     def __repr__(self) -> str:
-        return f"MeasuredCost({len(self.q_lens)}x{len(self.kv_lens)} table)"
+        return f"MeasuredCost({len(self.q_lens)}x{len(self.kv_lens)} table, sha256={self.digest()[:16]})"
 
 
 def _shape_pairs(q_len: float, kv_len: float) -> float:
     a = kv_len - q_len
     return (kv_len * (kv_len + 1) - a * (a + 1)) / 2
+
+
+def write_cost_table(
+    path: str | os.PathLike,
+    q_lens: Sequence[int],
+    kv_lens: Sequence[int],
+    seconds: Sequence[Sequence[float | None]],
+    measured: dict[str, Any] | None = None,
+) -> None:
+    """Write a table :meth:`MeasuredCost.from_json` reads: ``seconds[i][j]`` is the time of one task of
+    ``q_lens[i]`` queries over ``kv_lens[j]`` keys, None where q_len > kv_len (no such task);
+    ``measured`` records how (device, dtype, heads, ...)."""
+    MeasuredCost(
+        q_lens, kv_lens, [[math.nan if x is None else x for x in row] for row in seconds]
+    )  # validate
+    data = {
+        "format": COST_TABLE_FORMAT,
+        "q_lens": [int(q) for q in q_lens],
+        "kv_lens": [int(kv) for kv in kv_lens],
+        "seconds": [[None if x is None else float(x) for x in row] for row in seconds],
+        "measured": measured or {},
+    }
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+
+
+def cost_model_from_config(config: Any) -> CausalPairsCost | MeasuredCost:
+    """The cost model a :class:`~hf_distca.config.DistCAConfig` asks for.
+
+    ``config.cost_table`` None: :class:`CausalPairsCost`; a path: :class:`MeasuredCost` of that table,
+    loaded once per file version (path, modification time, size) and shared by later calls."""
+    path = getattr(config, "cost_table", None)
+    if path is None:
+        return _PAIRS
+    stat = os.stat(path)
+    return _load_table(os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
+
+
+_PAIRS = CausalPairsCost()
+
+
+@functools.lru_cache(maxsize=8)
+def _load_table(path: str, mtime_ns: int, size: int) -> MeasuredCost:
+    return MeasuredCost.from_json(path)

@@ -44,21 +44,17 @@ class DocIndex:
 
     def __init__(self, pieces_per_rank: Sequence[Sequence[Sequence[int]]]):
         self.world_size = len(pieces_per_rank)
-        self.pieces_per_rank: list[list[Piece]] = []
         self.tokens_per_rank: list[int] = []
         holdings: dict[int, list[Holding]] = {}
         for rank, pieces in enumerate(pieces_per_rank):
-            normalized = []
             offset = 0
             for raw in pieces:
                 piece = _as_piece(raw, rank)
-                normalized.append(piece)
                 if piece.length > 0:
                     holdings.setdefault(piece.doc_id, []).append(
                         Holding(piece.doc_start, piece.length, rank, offset)
                     )
                 offset += piece.length
-            self.pieces_per_rank.append(normalized)
             self.tokens_per_rank.append(offset)
         self.doc_ids: list[int] = sorted(holdings)
         self.holdings: dict[int, list[Holding]] = {}
@@ -80,10 +76,6 @@ class DocIndex:
                 expected = h.doc_end
             self.holdings[doc_id] = runs
             self.doc_length[doc_id] = expected
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.tokens_per_rank)
 
     def segments(
         self, doc_id: int, start: int, end: int, rank: int | None = None

@@ -2,9 +2,10 @@
 
 Pure Python/NumPy. Every rank calls it with the same all-gathered pieces and gets the same plan, so
 no plan is ever broadcast. Greedy: while the most loaded server is above (1 + tolerance) x mean,
-move work from it to the least loaded server, choosing the move with the most FLOPs per byte that
+move work from it to the least loaded server, choosing the move with the most cost per byte that
 must be communicated; a task too large to move whole is split into a head or tail shard whose split
-point sits on a multiple of ``shard_tokens``.
+point sits on a multiple of ``shard_tokens``. Cost is whatever the cost model returns (causal
+(query, key) pairs by default; see :mod:`hf_distca.planning.cost`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from hf_distca.config import DistCAConfig
-from hf_distca.planning.cost import CausalFlopsCost
+from hf_distca.planning.cost import CausalPairsCost
 from hf_distca.planning.pieces import DocIndex
 
 
@@ -139,10 +140,11 @@ def plan_core_attention(
     pieces_per_rank[r]: rank r's pieces ``(doc_id, doc_start, length)`` in local order.
     q_row_bytes: bytes of one token's queries (heads x head_dim x element size); the same for outputs.
     kv_row_bytes: bytes of one token's keys plus values.
-    cost_model: object with ``task_cost(a, b)``; default causal (query, key) pairs.
+    cost_model: object with ``task_cost(a, b)``; default :class:`CausalPairsCost` (causal (query, key)
+    pairs). :func:`hf_distca.planning.cost.cost_model_from_config` gives the one a config asks for.
     """
     config = config or DistCAConfig()
-    cost = cost_model or CausalFlopsCost()
+    cost = cost_model or CausalPairsCost()
     index = DocIndex(pieces_per_rank)
     world = index.world_size
     servers = [_Server(r) for r in range(world)]
@@ -231,7 +233,7 @@ def _best_move(src, dst, mean, index, cost, config, q_row_bytes, kv_row_bytes) -
                 (fitting if c <= want else overshooting).append(move)
     if fitting:
         largest = max(m.cost for m in fitting)
-        # among moves that do a real share of the wanted work, take the most FLOPs per byte
+        # among moves that do a real share of the wanted work, take the most cost per byte
         substantial = [m for m in fitting if m.cost >= 0.5 * largest]
         return max(substantial, key=lambda m: (m.score, m.cost, -m.doc, -m.a))
     if overshooting:
