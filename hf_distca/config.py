@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # The one list of kernel backend names: "auto", then every backend in the order "auto" prefers them.
-KERNEL_BACKENDS = ("auto", "torch_varlen", "flash_attn", "reference")
+KERNEL_BACKENDS = ("auto", "cudnn", "torch_varlen", "flash_attn", "reference")
 
 
 @dataclass(frozen=True)

@@ -20,11 +20,13 @@ from hf_distca.kernels import (
     attention_backward,
     attention_forward,
     available_backends,
+    cudnn_frontend,
     reference,
     reference_varlen_attention,
     resolve_backend,
     varlen_attention,
 )
+from hf_distca.kernels.common import check_inputs
 
 CPU_BACKENDS = available_backends(torch.device("cpu"), torch.float32)
 
@@ -296,3 +298,115 @@ def test_explicit_gpu_backend_on_cpu_raises_helpful_error(backend):
 def test_unknown_backend_raises():
     with pytest.raises(ValueError, match="unknown kernel backend 'triton'"):
         resolve_backend("triton", torch.device("cpu"), torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# cudnn backend: its host-side planning (alignment groups, suffix split and lse merge, side buffers) with
+# every cuDNN launch replaced by an emulation that honours the same contract (per call: sequences at
+# ragged row offsets, one mask, writes only its own rows). The cuDNN kernels themselves: tests/test_gpu.py.
+
+
+def _emulated_scores(call, j, q, k, scale):
+    """Float64 scores (Hq, lq, lk) of sequence j of a call, masked by the call's alignment."""
+    lq, lk = call.q_lens[j], call.k_lens[j]
+    qs = q[call.q_rows[j] : call.q_rows[j] + lq].double()  # (lq, Hq, D)
+    groups = q.shape[1] // k.shape[1]
+    ks = k[call.k_rows[j] : call.k_rows[j] + lk].double().repeat_interleave(groups, dim=1)  # (lk, Hq, D)
+    scores = torch.einsum("ihd,jhd->hij", qs, ks) * scale
+    i = torch.arange(lq).unsqueeze(1)
+    c = torch.arange(lk).unsqueeze(0)
+    visible = {
+        cudnn_frontend.TOP_LEFT: c <= i,
+        cudnn_frontend.BOTTOM_RIGHT: c <= i + (lk - lq),
+        cudnn_frontend.FULL: c >= 0,
+    }[call.mask]
+    return scores.masked_fill(~visible, float("-inf"))
+
+
+def _emulated_forward(call, q, k, v, out, lse, scale):
+    groups = q.shape[1] // k.shape[1]
+    for j in range(call.num_seqs):
+        scores = _emulated_scores(call, j, q, k, scale)
+        vs = v[call.k_rows[j] : call.k_rows[j] + call.k_lens[j]].double().repeat_interleave(groups, dim=1)
+        rows = slice(call.out_rows[j], call.out_rows[j] + call.q_lens[j])
+        out[rows] = torch.einsum("hij,jhd->ihd", torch.softmax(scores, -1), vs).to(out.dtype)
+        lse[rows] = torch.logsumexp(scores, -1).transpose(0, 1).to(lse.dtype)
+
+
+def _emulated_backward(call, dout, q, k, v, out, lse, dq, dk, dv, scale):
+    hkv, groups = k.shape[1], q.shape[1] // k.shape[1]
+    for j in range(call.num_seqs):
+        lq, lk = call.q_lens[j], call.k_lens[j]
+        qrows = slice(call.q_rows[j], call.q_rows[j] + lq)
+        krows = slice(call.k_rows[j], call.k_rows[j] + lk)
+        ks = k[krows].double().repeat_interleave(groups, dim=1)  # (lk, Hq, D)
+        vs = v[krows].double().repeat_interleave(groups, dim=1)
+        dos, os = dout[qrows].double(), out[qrows].double()  # (lq, Hq, D)
+        probs = torch.exp(_emulated_scores(call, j, q, k, scale) - lse[qrows].double().T.unsqueeze(-1))
+        dprobs = torch.einsum("ihd,jhd->hij", dos, vs)
+        dscores = probs * (dprobs - (dos * os).sum(-1).T.unsqueeze(-1))  # (Hq, lq, lk)
+        dq[call.out_rows[j] : call.out_rows[j] + lq] = (scale * torch.einsum("hij,jhd->ihd", dscores, ks)).to(
+            dq.dtype
+        )
+        dk_full = scale * torch.einsum("hij,ihd->jhd", dscores, q[qrows].double())  # (lk, Hq, D)
+        dv_full = torch.einsum("hij,ihd->jhd", probs, dos)
+        dk[krows] = dk_full.view(lk, hkv, groups, -1).sum(2).to(dk.dtype)
+        dv[krows] = dv_full.view(lk, hkv, groups, -1).sum(2).to(dv.dtype)
+
+
+@pytest.mark.parametrize("strategy", cudnn_frontend.SUFFIX_STRATEGIES)
+@pytest.mark.parametrize("case", sorted(SHAPES))
+def test_cudnn_host_logic_with_emulated_launches(case, strategy, monkeypatch):
+    monkeypatch.setattr(cudnn_frontend, "launch_forward", _emulated_forward)
+    monkeypatch.setattr(cudnn_frontend, "launch_backward", _emulated_backward)
+    monkeypatch.setattr(cudnn_frontend, "suffix_strategy", strategy)
+    q_lens, k_lens = SHAPES[case]
+    q, k, v, dout = _inputs(q_lens, k_lens, 8, 2, 16, torch.float32, seed=13)
+    seqs = check_inputs(q, k, v, _cu(q_lens), _cu(k_lens), max(q_lens), max(k_lens))
+    out, lse = cudnn_frontend.forward(q, k, v, seqs, SCALE)
+    want_out, want_lse = naive_attention(q, k, v, q_lens, k_lens, SCALE)
+    rtol, atol = TOL["fp32"]
+    torch.testing.assert_close(out.double(), want_out, rtol=rtol, atol=atol)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=rtol, atol=atol)
+    grads = cudnn_frontend.backward(dout, q, k, v, out, lse, seqs, SCALE)
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, naive_grads(q, k, v, dout, q_lens, k_lens, SCALE)):
+        torch.testing.assert_close(got.double(), ref, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_cudnn_call_plan_groups_by_alignment():
+    q_lens, k_lens = [4, 0, 2, 3, 0], [4, 6, 5, 3, 0]
+    q, k, v, _ = _inputs(q_lens, k_lens, 2, 2, 4, torch.float32)
+    seqs = check_inputs(q, k, v, _cu(q_lens), _cu(k_lens), 4, 6)
+    # rows: q 0-3 | - | 4-5 | 6-8 ; k 0-3 | 4-9 | 10-14 | 15-17
+    grouped = cudnn_frontend.plan_calls(seqs, "bottom_right")
+    assert [(c.mask, c.q_rows, c.k_rows, c.q_lens, c.k_lens, c.side) for c in grouped.calls] == [
+        (cudnn_frontend.TOP_LEFT, (0, 6), (0, 15), (4, 3), (4, 3), False),
+        (cudnn_frontend.BOTTOM_RIGHT, (4,), (10,), (2,), (5,), False),
+    ]
+    split = cudnn_frontend.plan_calls(seqs, "split")
+    assert [(c.mask, c.q_rows, c.k_rows, c.q_lens, c.k_lens, c.out_rows, c.side) for c in split.calls] == [
+        # the suffix sequence's causal square over its last 2 keys (rows 13-14) joins the top-left call
+        (cudnn_frontend.TOP_LEFT, (0, 4, 6), (0, 13, 15), (4, 2, 3), (4, 2, 3), (0, 4, 6), False),
+        # and its 3 earlier keys (rows 10-12) run non-causal into side rows 0-1
+        (cudnn_frontend.FULL, (4,), (10,), (2,), (3,), (0,), True),
+    ]
+    assert split.side_rows == 2 and split.merge_q_rows == (4, 5)
+    with pytest.raises(ValueError, match="suffix_strategy"):
+        cudnn_frontend.plan_calls(seqs, "top_left")
+
+
+def test_cudnn_plan_buckets():
+    """Batch sizes and lengths round up <= 25% (4 steps per octave), never below the minimum."""
+    assert [cudnn_frontend.bucket(n, 1) for n in (1, 2, 5, 9, 17, 100)] == [1, 2, 5, 10, 20, 112]
+    assert [cudnn_frontend.bucket(n, 128) for n in (1, 128, 129, 1000, 65536, 65537)] == [
+        128,
+        128,
+        160,
+        1024,
+        65536,
+        81920,
+    ]
+    for n in range(129, 70000, 97):
+        assert n <= cudnn_frontend.bucket(n, 128) <= 1.25 * n
+    # a training run's varying lengths map to few plans: every length in (32K, 64K] -> 4 buckets
+    assert {cudnn_frontend.bucket(n, 128) for n in range(32769, 65537)} == {40960, 49152, 57344, 65536}

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_distca.config import KERNEL_BACKENDS
-from hf_distca.kernels import flash, reference, torch_varlen
+from hf_distca.kernels import cudnn_frontend, flash, reference, torch_varlen
 from hf_distca.kernels.common import PackedSeqs, UnsupportedFeatureError, check_backward_inputs, check_inputs
 from hf_distca.kernels.reference import reference_varlen_attention
 
@@ -53,6 +53,13 @@ class _Backend:
 
 
 _BACKENDS: dict[str, _Backend] = {
+    "cudnn": _Backend(
+        cudnn_frontend.available,
+        True,
+        cudnn_frontend.forward,
+        cudnn_frontend.backward,
+        "NVIDIA's cudnn-frontend (pip install hf_distca[cudnn]) and a CUDA device",
+    ),
     "torch_varlen": _Backend(
         torch_varlen.available,
         True,
