@@ -16,6 +16,7 @@ from hf_distca.kernels import (
     attention_backward,
     attention_forward,
     available_backends,
+    cudnn_frontend,
     reference_varlen_attention,
     varlen_attention,
 )
@@ -34,7 +35,6 @@ SHAPES = {
     # prefix and suffix sequences in one call, with empty (0/0) and KV-only (0 queries) sequences
     "mixed_empty": ([0, 700, 0, 1, 300, 0, 2048], [0, 700, 513, 5, 900, 0, 2048]),
 }
-CUDA_BACKENDS = ["cudnn", "torch_varlen", "flash_attn"]
 
 
 def _usable() -> list[str]:
@@ -87,11 +87,23 @@ def _kv_only_rows(q_lens, k_lens):
     return rows
 
 
-@pytest.mark.parametrize("case", sorted(SHAPES))
-@pytest.mark.parametrize("backend", CUDA_BACKENDS)
-def test_cuda_backend_forward_backward_match_reference(backend, case):
+# cudnn runs in both suffix strategies (see hf_distca/kernels/cudnn_frontend.py)
+VARIANTS = ["cudnn:split", "cudnn:bottom_right", "torch_varlen", "flash_attn"]
+
+
+def _select(variant: str, monkeypatch) -> str:
+    backend, _, strategy = variant.partition(":")
     if backend not in _usable():
         pytest.skip(f"backend {backend} is not available here")
+    if strategy:
+        monkeypatch.setattr(cudnn_frontend, "suffix_strategy", strategy)
+    return backend
+
+
+@pytest.mark.parametrize("case", sorted(SHAPES))
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_cuda_backend_forward_backward_match_reference(variant, case, monkeypatch):
+    backend = _select(variant, monkeypatch)
     q_lens, k_lens = SHAPES[case]
     q, k, v, dout = _inputs(q_lens, k_lens)
     args = (_cu(q_lens), _cu(k_lens), max(q_lens), max(k_lens))
@@ -104,11 +116,10 @@ def test_cuda_backend_forward_backward_match_reference(backend, case):
     )
 
 
-@pytest.mark.parametrize("backend", CUDA_BACKENDS)
-def test_cuda_backend_autograd_function(backend):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_cuda_backend_autograd_function(variant, monkeypatch):
     """varlen_attention (the differentiable convenience) gives the same gradients through autograd."""
-    if backend not in _usable():
-        pytest.skip(f"backend {backend} is not available here")
+    backend = _select(variant, monkeypatch)
     q_lens, k_lens = SHAPES["mixed_empty"]
     q, k, v, dout = _inputs(q_lens, k_lens, seed=1)
     args = (_cu(q_lens), _cu(k_lens), max(q_lens), max(k_lens))
@@ -120,9 +131,55 @@ def test_cuda_backend_autograd_function(backend):
     _assert_close_to_reference(got, _reference(q, k, v, dout, args), _kv_only_rows(q_lens, k_lens))
 
 
+def test_cudnn_launch_writes_only_its_own_rows():
+    """The cudnn backend lets several launches share output buffers: a launch must leave every row
+    outside its sequences untouched (checked here on buffers poisoned with NaN)."""
+    if "cudnn" not in _usable():
+        pytest.skip("backend cudnn is not available here")
+    q_lens, k_lens = [300, 200, 129], [300, 700, 129]
+    q, k, v, dout = _inputs(q_lens, k_lens, seed=2)
+    # sequences 0 and 2 only (rows q 0-299 and 500-628, k 0-299 and 1000-1128)
+    call = cudnn_frontend.KernelCall(
+        cudnn_frontend.TOP_LEFT, (0, 500), (0, 1000), (300, 129), (300, 129), (0, 500), False
+    )
+    mine_q = torch.zeros(q.shape[0], dtype=torch.bool, device="cuda")
+    mine_q[0:300] = mine_q[500:629] = True
+    mine_k = torch.zeros(k.shape[0], dtype=torch.bool, device="cuda")
+    mine_k[0:300] = mine_k[1000:1129] = True
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:2], float("nan"), device="cuda")
+    cudnn_frontend.launch_forward(call, q, k, v, out, lse, D**-0.5)
+    assert not out[mine_q].isnan().any() and not lse[mine_q].isnan().any()
+    assert out[~mine_q].isnan().all() and lse[~mine_q].isnan().all()
+    dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
+    cudnn_frontend.launch_backward(
+        call, dout, q, k, v, out.nan_to_num(), lse.nan_to_num(), dq, dk, dv, D**-0.5
+    )
+    assert not dq[mine_q].isnan().any() and dq[~mine_q].isnan().all()
+    for grad in (dk, dv):
+        assert not grad[mine_k].isnan().any() and grad[~mine_k].isnan().all()
+
+
+def test_cudnn_plans_are_reused_across_nearby_shapes(monkeypatch):
+    """Batch sizes and lengths within one bucket reuse the plans built for the first call."""
+    _select("cudnn:split", monkeypatch)
+    # same grouping (two whole documents, one suffix task), every shape in the same bucket
+    runs = [([1000, 3000, 700], [1000, 3000, 900]), ([1010, 2900, 650], [1010, 2900, 860])]
+    builds = []
+    for q_lens, k_lens in runs:
+        q, k, v, dout = _inputs(q_lens, k_lens, seed=3)
+        args = (_cu(q_lens), _cu(k_lens), max(q_lens), max(k_lens))
+        out, lse = attention_forward(q, k, v, *args, backend="cudnn")
+        attention_backward(dout, q, k, v, out, lse, *args, backend="cudnn")
+        builds.append(dict(cudnn_frontend.plan_builds))
+    assert builds[1] == builds[0], (
+        f"plans built: after the first call {builds[0]}, after the second {builds[1]}"
+    )
+
+
 def test_auto_backend_on_cuda_bf16_is_a_gpu_kernel():
     usable = available_backends(torch.device("cuda"), torch.bfloat16)
-    assert usable[0] in CUDA_BACKENDS
+    assert usable[0] in ("cudnn", "torch_varlen", "flash_attn")
     assert available_backends(torch.device("cuda"), torch.float32) == ["reference"]
 
 

@@ -108,6 +108,17 @@ def check_inputs(
     return PackedSeqs(cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), q_bounds, k_bounds)
 
 
+def device_offsets(cu_seqlens: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """cu_seqlens as int32 on ``device``; a host tensor goes through pinned memory so the copy does not
+    wait for the device's queued work."""
+    if cu_seqlens.device == device:
+        return cu_seqlens.to(torch.int32)
+    host = cu_seqlens.to(torch.int32)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 def check_backward_inputs(dout: torch.Tensor, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
     """The extra tensors of a backward call must match the forward's shapes."""
     if dout.shape != q.shape or out.shape != q.shape:

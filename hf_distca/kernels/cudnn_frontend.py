@@ -46,6 +46,10 @@ SUFFIX_STRATEGIES = ("bottom_right", "split")
 suffix_strategy = "split"
 """How suffix sequences run (one of SUFFIX_STRATEGIES); an internal switch for benchmarks."""
 
+bucket_shapes = True
+"""Round plan shapes up (see the module docstring); False declares exact shapes (benchmarks measure
+what the rounding costs)."""
+
 TOP_LEFT, BOTTOM_RIGHT, FULL = "causal_top_left", "causal_bottom_right", "full"
 
 
@@ -135,6 +139,8 @@ def plan_calls(seqs: PackedSeqs, strategy: str) -> CallPlan:
 
 def bucket(n: int, minimum: int) -> int:
     """Round up on a ladder with 4 steps per octave (<= 25% over n), never below ``minimum``."""
+    if not bucket_shapes:
+        return max(n, 1)
     if n <= minimum:
         return minimum
     step = max(1, (1 << (n.bit_length() - 1)) // 4)

@@ -13,7 +13,7 @@ import inspect
 
 import torch
 
-from hf_distca.kernels.common import PackedSeqs
+from hf_distca.kernels.common import PackedSeqs, device_offsets
 
 
 @functools.lru_cache(maxsize=1)
@@ -30,10 +30,7 @@ def available() -> bool:
 
 
 def _offsets(seqs: PackedSeqs, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    return (
-        seqs.cu_seqlens_q.to(device=device, dtype=torch.int32, non_blocking=True),
-        seqs.cu_seqlens_k.to(device=device, dtype=torch.int32, non_blocking=True),
-    )
+    return device_offsets(seqs.cu_seqlens_q, device), device_offsets(seqs.cu_seqlens_k, device)
 
 
 def forward(

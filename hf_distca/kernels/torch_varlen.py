@@ -16,7 +16,7 @@ import inspect
 
 import torch
 
-from hf_distca.kernels.common import PackedSeqs
+from hf_distca.kernels.common import PackedSeqs, device_offsets
 
 
 @functools.lru_cache(maxsize=1)
@@ -55,9 +55,7 @@ def _backward_op_arguments() -> frozenset[str] | None:
 
 
 def _device_offsets(seqs: PackedSeqs, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    cu_q = seqs.cu_seqlens_q.to(device=device, dtype=torch.int32, non_blocking=True)
-    cu_k = seqs.cu_seqlens_k.to(device=device, dtype=torch.int32, non_blocking=True)
-    return cu_q, cu_k
+    return device_offsets(seqs.cu_seqlens_q, device), device_offsets(seqs.cu_seqlens_k, device)
 
 
 def _kernel_kv(t: torch.Tensor, hq: int) -> torch.Tensor:
