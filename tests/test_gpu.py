@@ -133,31 +133,35 @@ def test_cuda_backend_autograd_function(variant, monkeypatch):
 
 def test_cudnn_launch_writes_only_its_own_rows():
     """The cudnn backend lets several launches share output buffers: a launch must leave every row
-    outside its sequences untouched (checked here on buffers poisoned with NaN)."""
+    outside its sequences untouched (checked on buffers poisoned with NaN). Forward launches may address
+    sequences with gaps between them; backward launches are always packed from row 0."""
     if "cudnn" not in _usable():
         pytest.skip("backend cudnn is not available here")
     q_lens, k_lens = [300, 200, 129], [300, 700, 129]
     q, k, v, dout = _inputs(q_lens, k_lens, seed=2)
-    # sequences 0 and 2 only (rows q 0-299 and 500-628, k 0-299 and 1000-1128)
+    scale = D**-0.5
+    # forward over sequences 0 and 2 only (rows q 0-299 and 500-628, k 0-299 and 1000-1128)
     call = cudnn_frontend.KernelCall(
         cudnn_frontend.TOP_LEFT, (0, 500), (0, 1000), (300, 129), (300, 129), (0, 500), False
     )
     mine_q = torch.zeros(q.shape[0], dtype=torch.bool, device="cuda")
     mine_q[0:300] = mine_q[500:629] = True
-    mine_k = torch.zeros(k.shape[0], dtype=torch.bool, device="cuda")
-    mine_k[0:300] = mine_k[1000:1129] = True
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:2], float("nan"), device="cuda")
-    cudnn_frontend.launch_forward(call, q, k, v, out, lse, D**-0.5)
+    cudnn_frontend.launch_forward(call, q, k, v, out, lse, scale)
     assert not out[mine_q].isnan().any() and not lse[mine_q].isnan().any()
     assert out[~mine_q].isnan().all() and lse[~mine_q].isnan().all()
-    dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
-    cudnn_frontend.launch_backward(
-        call, dout, q, k, v, out.nan_to_num(), lse.nan_to_num(), dq, dk, dv, D**-0.5
+    # backward over two packed sequences (q rows 0-299 and 300-428, k rows 0-299 and 300-428)
+    packed = cudnn_frontend.KernelCall(
+        cudnn_frontend.TOP_LEFT, (0, 300), (0, 300), (300, 129), (300, 129), (0, 300), False
     )
-    assert not dq[mine_q].isnan().any() and dq[~mine_q].isnan().all()
+    out, lse = torch.zeros_like(q), torch.zeros(q.shape[:2], device="cuda")
+    cudnn_frontend.launch_forward(packed, q, k, v, out, lse, scale)
+    dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
+    cudnn_frontend.launch_backward(packed, dout, q, k, v, out, lse, dq, dk, dv, scale)
+    assert not dq[:429].isnan().any() and dq[429:].isnan().all()
     for grad in (dk, dv):
-        assert not grad[mine_k].isnan().any() and grad[~mine_k].isnan().all()
+        assert not grad[:429].isnan().any() and grad[429:].isnan().all()
 
 
 def test_cudnn_plans_are_reused_across_nearby_shapes(monkeypatch):

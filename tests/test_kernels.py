@@ -334,6 +334,10 @@ def _emulated_forward(call, q, k, v, out, lse, scale):
 
 
 def _emulated_backward(call, dout, q, k, v, out, lse, dq, dk, dv, scale):
+    # the backend's contract with cuDNN's backward: every launch is packed (sequences back to back from
+    # row 0 on the query side and on the key side)
+    starts = cudnn_frontend.packed_starts
+    assert call.q_rows == call.out_rows == starts(call.q_lens) and call.k_rows == starts(call.k_lens), call
     hkv, groups = k.shape[1], q.shape[1] // k.shape[1]
     for j in range(call.num_seqs):
         lq, lk = call.q_lens[j], call.k_lens[j]
@@ -379,18 +383,17 @@ def test_cudnn_call_plan_groups_by_alignment():
     seqs = check_inputs(q, k, v, _cu(q_lens), _cu(k_lens), 4, 6)
     # rows: q 0-3 | - | 4-5 | 6-8 ; k 0-3 | 4-9 | 10-14 | 15-17
     grouped = cudnn_frontend.plan_calls(seqs, "bottom_right")
-    assert [(c.mask, c.q_rows, c.k_rows, c.q_lens, c.k_lens, c.side) for c in grouped.calls] == [
+    assert [(c.mask, c.q_rows, c.k_rows, c.q_lens, c.k_lens, c.side) for c in grouped] == [
         (cudnn_frontend.TOP_LEFT, (0, 6), (0, 15), (4, 3), (4, 3), False),
         (cudnn_frontend.BOTTOM_RIGHT, (4,), (10,), (2,), (5,), False),
     ]
     split = cudnn_frontend.plan_calls(seqs, "split")
-    assert [(c.mask, c.q_rows, c.k_rows, c.q_lens, c.k_lens, c.out_rows, c.side) for c in split.calls] == [
+    assert [(c.mask, c.q_rows, c.k_rows, c.q_lens, c.k_lens, c.out_rows, c.side) for c in split] == [
         # the suffix sequence's causal square over its last 2 keys (rows 13-14) joins the top-left call
         (cudnn_frontend.TOP_LEFT, (0, 4, 6), (0, 13, 15), (4, 2, 3), (4, 2, 3), (0, 4, 6), False),
         # and its 3 earlier keys (rows 10-12) run non-causal into side rows 0-1
         (cudnn_frontend.FULL, (4,), (10,), (2,), (3,), (0,), True),
     ]
-    assert split.side_rows == 2 and split.merge_q_rows == (4, 5)
     with pytest.raises(ValueError, match="suffix_strategy"):
         cudnn_frontend.plan_calls(seqs, "top_left")
 

@@ -19,9 +19,12 @@ with bottom-right alignment than top-left, so sequences are grouped:
   disjoint keys.
 - sequences without queries run nowhere (the caller zeroes their dk/dv).
 
-Every call lists only its own sequences; ragged offsets address them inside the full packed tensors,
-so no rows are copied and calls write disjoint rows of the shared outputs (the non-causal part of a
-split writes its partial output and dq to compact side buffers).
+Forward calls list only their own sequences; ragged offsets address them inside the full packed
+tensors, so no rows are copied and calls write disjoint rows of the shared outputs (the non-causal part
+of a split writes its partial output to a compact side buffer). Backward calls run on packed operands
+(sequences back to back from row 0): cuDNN's ragged backward gave wrong dq otherwise (see
+``_backward_call``), so a call whose rows are not already packed gathers them (q, out, dout, lse on the
+query side; k, v on the key side) and scatters its gradients back.
 
 Plan cache: a plan is specific to (batch size, max_seqlen_q/k, and for the backward the packed token
 totals that size cuDNN's float32 dq accumulator). All of these are rounded up on a ladder of 4 steps
@@ -93,23 +96,18 @@ class KernelCall:
         return len(self.q_rows)
 
 
-@dataclass(frozen=True)
-class CallPlan:
-    calls: tuple[KernelCall, ...]
-    side_rows: int
-    """Rows of the side buffers (sum of the split sequences' query counts)."""
-    merge_q_rows: tuple[int, ...]
-    """For each side-buffer row, the query row it belongs to (len == side_rows)."""
+def plan_calls(seqs: PackedSeqs, strategy: str) -> tuple[KernelCall, ...]:
+    """Group the sequences of one kernel call by mask alignment (see the module docstring).
 
-
-def plan_calls(seqs: PackedSeqs, strategy: str) -> CallPlan:
-    """Group the sequences of one kernel call by mask alignment (see the module docstring)."""
+    Calls come in the order they must run: the top-left call, then the bottom-right one, then the
+    non-causal side call of a split (its backward adds onto the dq the top-left call wrote).
+    """
     if strategy not in SUFFIX_STRATEGIES:
         raise ValueError(f"suffix_strategy must be one of {SUFFIX_STRATEGIES}, got {strategy!r}")
     prefix: list[tuple[int, int, int, int, int]] = []  # (q_row, k_row, lq, lk, out_row)
     suffix: list[tuple[int, int, int, int, int]] = []
     rest: list[tuple[int, int, int, int, int]] = []  # split: non-causal parts, out rows in the side buffer
-    merge: list[int] = []
+    side_rows = 0
     for i in range(seqs.num_seqs):
         q0, k0, lq, lk = seqs.q_bounds[i], seqs.k_bounds[i], seqs.q_len(i), seqs.k_len(i)
         if lq == 0:
@@ -120,8 +118,8 @@ def plan_calls(seqs: PackedSeqs, strategy: str) -> CallPlan:
             suffix.append((q0, k0, lq, lk, q0))
         else:
             prefix.append((q0, k0 + lk - lq, lq, lq, q0))  # causal square over the last lq keys
-            rest.append((q0, k0, lq, lk - lq, len(merge)))  # every query sees every earlier key
-            merge.extend(range(q0, q0 + lq))
+            rest.append((q0, k0, lq, lk - lq, side_rows))  # every query sees every earlier key
+            side_rows += lq
 
     def call(mask: str, rows: list[tuple[int, int, int, int, int]], side: bool) -> KernelCall:
         q_rows, k_rows, q_lens, k_lens, out_rows = (tuple(col) for col in zip(*rows))
@@ -134,7 +132,16 @@ def plan_calls(seqs: PackedSeqs, strategy: str) -> CallPlan:
         calls.append(call(BOTTOM_RIGHT, suffix, False))
     if rest:
         calls.append(call(FULL, rest, True))
-    return CallPlan(tuple(calls), len(merge), tuple(merge))
+    return tuple(calls)
+
+
+def packed_starts(lengths: tuple[int, ...]) -> tuple[int, ...]:
+    """Start rows of sequences of these lengths laid out back to back from row 0."""
+    starts, row = [], 0
+    for n in lengths:
+        starts.append(row)
+        row += n
+    return tuple(starts)
 
 
 def bucket(n: int, minimum: int) -> int:
@@ -510,30 +517,95 @@ def launch_backward(
 # the backend interface
 
 
+def _row_index(starts: tuple[int, ...], lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """(sum(lengths),) int64 on ``device``: the rows of sequences at these starts, in order."""
+    lens = torch.tensor(lengths, dtype=torch.int64)
+    shift = torch.tensor(starts, dtype=torch.int64) - (torch.cumsum(lens, 0) - lens)  # start - packed start
+    rows = torch.arange(int(lens.sum()), dtype=torch.int64) + torch.repeat_interleave(shift, lens)
+    if device.type == "cuda":
+        rows = rows.pin_memory()
+    return rows.to(device, non_blocking=True)
+
+
 def forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: PackedSeqs, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
-    plan = plan_calls(seqs, suffix_strategy)
     out = torch.empty_like(q)  # (Tq, Hq, D); every query row belongs to exactly one non-side call
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)  # (Tq, Hq)
-    side_out = q.new_empty(plan.side_rows, *q.shape[1:])  # (side rows, Hq, D)
-    side_lse = lse.new_empty(plan.side_rows, q.shape[1])  # (side rows, Hq)
-    for call in plan.calls:
-        if call.side:
-            launch_forward(call, q, k, v, side_out, side_lse, scale)
-        else:
+    for call in plan_calls(seqs, suffix_strategy):
+        if not call.side:
             launch_forward(call, q, k, v, out, lse, scale)
-    if plan.side_rows:
-        rows = torch.tensor(plan.merge_q_rows).to(q.device, non_blocking=True)
-        lse_main = lse[rows]  # (side rows, Hq)
-        merged = torch.logaddexp(lse_main, side_lse)  # (side rows, Hq)
-        out[rows] = (
-            out[rows].float() * torch.exp(lse_main - merged).unsqueeze(-1)
-            + side_out.float() * torch.exp(side_lse - merged).unsqueeze(-1)
-        ).to(q.dtype)
-        lse[rows] = merged
+            continue
+        # split suffix sequences: the top-left call wrote their causal part; merge the non-causal part
+        rows = sum(call.q_lens)
+        side_out = q.new_empty(rows, *q.shape[1:])  # (rows, Hq, D)
+        side_lse = lse.new_empty(rows, q.shape[1])  # (rows, Hq)
+        launch_forward(call, q, k, v, side_out, side_lse, scale)
+        if call.q_rows == packed_starts(call.q_lens):  # the side rows are q's first rows: no gather
+            main_out, main_lse = out[:rows], lse[:rows]
+        else:
+            index = _row_index(call.q_rows, call.q_lens, q.device)
+            main_out, main_lse = out.index_select(0, index), lse.index_select(0, index)
+        merged_lse = torch.logaddexp(main_lse, side_lse)  # (rows, Hq)
+        side_weight = torch.exp(side_lse - merged_lse).unsqueeze(-1)  # (rows, Hq, 1)
+        merged_out = torch.lerp(main_out.float(), side_out.float(), side_weight).to(q.dtype)  # (rows, Hq, D)
+        if call.q_rows == packed_starts(call.q_lens):
+            out[:rows], lse[:rows] = merged_out, merged_lse
+        else:
+            out.index_copy_(0, index, merged_out)
+            lse.index_copy_(0, index, merged_lse)
     return out, lse
+
+
+def _backward_call(
+    call: KernelCall,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    scale: float,
+) -> None:
+    """One call's backward on packed operands.
+
+    cuDNN's ragged backward computed wrong dq (about 1% of entries, wrong by O(1)) on H200 / cuDNN 9.19
+    when a call's sequences did not lie back to back from row 0 (gaps, or a later start; the forward is
+    unaffected): so every backward launch gets its query side (q, out, dout, lse, dq) and key side (k, v,
+    dk, dv) packed, gathering the rows of calls that are not already packed.
+    """
+    q_starts, k_starts = packed_starts(call.q_lens), packed_starts(call.k_lens)
+    packed = KernelCall(call.mask, q_starts, k_starts, call.q_lens, call.k_lens, q_starts, call.side)
+    q_in_place = call.q_rows == q_starts
+    k_in_place = call.k_rows == k_starts
+    rows = sum(call.q_lens)
+    if q_in_place:
+        q_c, out_c, dout_c, lse_c = q, out, dout, lse
+    else:
+        q_index = _row_index(call.q_rows, call.q_lens, q.device)
+        q_c, out_c, dout_c, lse_c = (t.index_select(0, q_index) for t in (q, out, dout, lse))  # (rows, ...)
+    if k_in_place:
+        k_c, v_c, dk_c, dv_c = k, v, dk, dv
+    else:
+        k_index = _row_index(call.k_rows, call.k_lens, k.device)
+        k_c, v_c = k.index_select(0, k_index), v.index_select(0, k_index)  # (keys, Hkv, D)
+        dk_c, dv_c = torch.empty_like(k_c), torch.empty_like(v_c)
+    dq_c = dq if q_in_place and not call.side else q.new_empty(rows, *q.shape[1:])  # (rows, Hq, D)
+    launch_backward(packed, dout_c, q_c, k_c, v_c, out_c, lse_c, dq_c, dk_c, dv_c, scale)
+    if call.side:  # the non-causal part of split sequences: add onto the causal part's dq
+        if q_in_place:
+            dq[:rows] += dq_c
+        else:
+            dq.index_add_(0, q_index, dq_c)
+    elif not q_in_place:
+        dq.index_copy_(0, q_index, dq_c)
+    if not k_in_place:
+        dk.index_copy_(0, k_index, dk_c)
+        dv.index_copy_(0, k_index, dv_c)
 
 
 def backward(
@@ -548,14 +620,9 @@ def backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dout, q, k, v, out = (_aligned(t) for t in (dout, q, k, v, out))
     lse = _aligned(lse.float())
-    plan = plan_calls(seqs, suffix_strategy)
     dq = torch.empty_like(q)  # every query row is written by exactly one non-side call
     dk = torch.zeros_like(k)  # keys of sequences without queries are written by no call
     dv = torch.zeros_like(v)
-    side_dq = q.new_empty(plan.side_rows, *q.shape[1:])  # (side rows, Hq, D)
-    for call in plan.calls:
-        launch_backward(call, dout, q, k, v, out, lse, side_dq if call.side else dq, dk, dv, scale)
-    if plan.side_rows:
-        rows = torch.tensor(plan.merge_q_rows).to(q.device, non_blocking=True)
-        dq[rows] = (dq[rows].float() + side_dq.float()).to(dq.dtype)
+    for call in plan_calls(seqs, suffix_strategy):
+        _backward_call(call, dout, q, k, v, out, lse, dq, dk, dv, scale)
     return dq, dk, dv
