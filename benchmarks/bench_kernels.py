@@ -1,22 +1,34 @@
-"""Throughput of the varlen kernel backends on packed causal documents (CUDA only).
+"""Throughput and peak memory of the CUDA kernel backends on packed causal workloads (CUDA only).
 
-For each document length L, packs ``tokens // L`` documents of L tokens (the total stays fixed), and
-times forward and forward+backward of every available CUDA backend with CUDA events (warm-ups, then
-the median of several repetitions). Reports TFLOP/s with the causal convention: forward FLOPs =
-4 * Hq * D per causal (query, key) pair, L * (L + 1) / 2 pairs per document; forward+backward =
-3.5 x forward (backward ~2.5 x forward). Writes a markdown table with the command line, torch
-version and GPU name.
+Workloads (each ~64K packed tokens): equal documents of 512 / 2K / 8K / 64K tokens, a mixed set of 64 to
+16K tokens, suffix tasks (1K queries over 2K keys x 32, 4K over 8K x 8: query shards at the end of a
+longer KV prefix) and, with ``--doclens FILE``, the task mix one server runs in a real plan: documents
+drawn from the file are rebatched over ``--servers`` ranks of 64K tokens, planned by the DistCA planner,
+and the busiest server's CA-tasks form the call. Variants: ``torch_varlen`` (FlashAttention-2 varlen),
+``cudnn:bottom_right`` (suffix tasks in one bottom-right call) and ``cudnn:split`` (suffix tasks split
+into a non-causal and a top-left part, merged by the log-sum-exp). Every call goes through the explicit
+interface (attention_forward, then attention_backward) with offsets on the host.
 
-    python benchmarks/bench_kernels.py --out benchmarks/results/kernels.md
+TFLOP/s use the causal convention: forward = 4 x Hq x D per visible (query, key) pair,
+forward+backward = 3.5 x forward. Peak memory is the most allocated during one forward+backward
+beyond the inputs (outputs, lse, gradients and workspaces included). Also measured: the cost of cuDNN
+plan builds (first call, a new shape) and of rounding plan shapes up (``bucket_shapes`` off vs on).
+
+    python benchmarks/bench_kernels.py --doclens prolong.json --out benchmarks/results/kernels.md
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import json
+import math
 import os
 import shlex
 import statistics
 import sys
+import time
+import traceback
 from collections.abc import Callable
 
 import torch
@@ -28,40 +40,95 @@ except ImportError:  # run from a checkout without installing: the package sits 
 
 FWD_FLOPS_PER_PAIR = 4  # x Hq x D: QK^T and PV, 2 FLOPs per multiply-add each
 FWD_BWD_FACTOR = 3.5
+VARIANTS = ("torch_varlen", "cudnn:bottom_right", "cudnn:split")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=None, help="markdown file to write the table to (default: print only)")
-    p.add_argument("--lengths", default="512,2048,8192,32768", help="comma-separated document lengths")
-    p.add_argument("--tokens", type=int, default=65536, help="packed tokens per call (fixed across lengths)")
+    p.add_argument("--out", default=None, help="markdown file to write the tables to (default: print only)")
+    p.add_argument("--tokens", type=int, default=65536, help="packed tokens per call")
     p.add_argument("--heads", type=int, default=32, help="query heads")
     p.add_argument("--kv-heads", type=int, default=8, help="key/value heads (GQA)")
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
-    p.add_argument(
-        "--backends",
-        default="auto",
-        help="comma-separated subset of torch_varlen,flash_attn (auto: all available)",
-    )
-    p.add_argument("--warmup", type=int, default=3, help="untimed calls before timing")
-    p.add_argument("--reps", type=int, default=10, help="timed repetitions; the median is reported")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {VARIANTS}")
+    p.add_argument("--doclens", nargs="*", default=[], help="JSON files of document lengths (server mixes)")
+    p.add_argument("--servers", type=int, default=8, help="ranks the server mixes are planned over")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls before timing")
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions; the median is reported")
+    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    try:
-        args.lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
-    except ValueError:
-        p.error(f"--lengths must be comma-separated integers, got {args.lengths!r}")
-    if not args.lengths or min(args.lengths) < 1:
-        p.error("--lengths needs at least one positive length")
-    if args.tokens < 1 or args.reps < 1 or args.warmup < 0:
-        p.error("--tokens and --reps must be positive, --warmup non-negative")
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variants {unknown}; choose from {VARIANTS}")
     if args.heads % args.kv_heads:
         p.error(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
     return args
 
 
-def causal_pairs(length: int) -> int:
-    return length * (length + 1) // 2
+def visible_pairs(q_len: int, k_len: int) -> int:
+    """(query, key) pairs a bottom-right causal sequence computes."""
+    return q_len * (k_len - q_len) + q_len * (q_len + 1) // 2
+
+
+def mixed_lengths(total: int, lo: int, hi: int, seed: int) -> list[int]:
+    """Log-uniform document lengths in [lo, hi] filling exactly ``total`` tokens (the last one cut)."""
+    g = torch.Generator().manual_seed(seed)
+    out: list[int] = []
+    while sum(out) < total:
+        n = round(lo * math.exp(float(torch.rand(1, generator=g)) * math.log(hi / lo)))
+        out.append(min(n, total - sum(out)))
+    return out
+
+
+def server_mix(
+    doclens_path: str, servers: int, tokens_per_rank: int, seed: int
+) -> tuple[list[int], list[int]]:
+    """The CA-tasks (query lengths, key lengths) of the busiest server of one planned global batch."""
+    import numpy as np
+
+    from hf_distca import DistCAConfig, plan_core_attention
+    from hf_distca.data.rebatch import layout_pieces
+
+    with open(doclens_path) as f:
+        doclens = np.asarray(json.load(f))
+    rng = np.random.default_rng(seed)
+    docs, used, budget = [], 0, servers * tokens_per_rank
+    while used < budget:
+        n = int(min(doclens[rng.integers(len(doclens))], budget - used))
+        if n > 0:
+            docs.append(n)
+            used += n
+    pieces = layout_pieces(docs, world_size=servers, tokens_per_rank=tokens_per_rank, min_piece_tokens=128)
+    plan = plan_core_attention(
+        [[tuple(p) for p in rank] for rank in pieces],
+        q_row_bytes=32 * 128 * 2,
+        kv_row_bytes=2 * 8 * 128 * 2,
+        config=DistCAConfig(),
+    )
+    busiest = max(range(servers), key=lambda s: plan.load_after[s])
+    tasks = plan.tasks[busiest]
+    return [t.q_len for t in tasks], [t.q_end for t in tasks]
+
+
+def workloads(args: argparse.Namespace) -> list[tuple[str, list[int], list[int]]]:
+    t = args.tokens
+    rows = [
+        (f"{n if n < 1024 else str(n // 1024) + 'K'} x {t // n}", [n] * (t // n), [n] * (t // n))
+        for n in (512, 2048, 8192, 65536)
+    ]
+    mixed = mixed_lengths(t, 64, 16384, args.seed)
+    rows.append((f"mixed 64-16K ({len(mixed)} docs)", mixed, mixed))
+    rows.append(("suffix 1K over 2K x 32", [1024] * 32, [2048] * 32))
+    rows.append(("suffix 4K over 8K x 8", [4096] * 8, [8192] * 8))
+    # whole documents and suffix tasks interleaved: each alignment group has gaps between its rows
+    rows.append(("2K docs + suffix 1K over 2K, x 16 each", [2048, 1024] * 16, [2048, 2048] * 16))
+    for path in args.doclens:
+        q_lens, k_lens = server_mix(path, args.servers, t, args.seed)
+        suffix = sum(1 for a, b in zip(q_lens, k_lens) if a < b)
+        name = os.path.splitext(os.path.basename(path))[0]
+        rows.append((f"server mix {name} ({len(q_lens)} tasks, {suffix} suffix)", q_lens, k_lens))
+    return rows
 
 
 def time_ms(fn: Callable[[], None], warmup: int, reps: int) -> float:
@@ -81,121 +148,245 @@ def time_ms(fn: Callable[[], None], warmup: int, reps: int) -> float:
     return statistics.median(times)
 
 
-def bench_one(backend: str, length: int, args: argparse.Namespace) -> dict:
-    from hf_distca.kernels import varlen_attention
+def set_variant(variant: str) -> str:
+    from hf_distca.kernels import cudnn_frontend
 
-    n_docs = max(1, args.tokens // length)
-    total = n_docs * length
-    dtype = getattr(torch, args.dtype)
-    dev = torch.device("cuda")
-    q = torch.randn(
-        total, args.heads, args.head_dim, device=dev, dtype=dtype, requires_grad=True
-    )  # (T, Hq, D)
-    k = torch.randn(
-        total, args.kv_heads, args.head_dim, device=dev, dtype=dtype, requires_grad=True
-    )  # (T, Hkv, D)
-    v = torch.randn(
-        total, args.kv_heads, args.head_dim, device=dev, dtype=dtype, requires_grad=True
-    )  # (T, Hkv, D)
-    dout = torch.randn(total, args.heads, args.head_dim, device=dev, dtype=dtype)  # (T, Hq, D)
-    cu = torch.arange(0, total + 1, length, device=dev, dtype=torch.int32)  # (n_docs + 1,)
-    scale = args.head_dim**-0.5
+    backend, _, strategy = variant.partition(":")
+    if strategy:
+        cudnn_frontend.suffix_strategy = strategy
+    return backend
 
-    def forward() -> torch.Tensor:
-        return varlen_attention(q, k, v, cu, cu, length, length, scale=scale, backend=backend)
 
-    def fwd_only() -> None:
-        with torch.no_grad():
-            forward()
+def make_inputs(q_lens, k_lens, args, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dev, dt = "cuda", torch.bfloat16
+    q = torch.randn(sum(q_lens), args.heads, args.head_dim, device=dev, generator=g).to(dt)  # (Tq, Hq, D)
+    k = torch.randn(sum(k_lens), args.kv_heads, args.head_dim, device=dev, generator=g).to(dt)  # (Tk, Hkv, D)
+    v = torch.randn(sum(k_lens), args.kv_heads, args.head_dim, device=dev, generator=g).to(dt)  # (Tk, Hkv, D)
+    dout = torch.randn(q.shape, device=dev, generator=g).to(dt)  # (Tq, Hq, D)
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)  # host (N + 1,)
+    cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k, v, dout, (cu_q, cu_k, max(q_lens), max(k_lens))
 
-    def fwd_bwd() -> None:
-        q.grad = k.grad = v.grad = None
-        forward().backward(dout)
 
-    fwd_ms = time_ms(fwd_only, args.warmup, args.reps)
+def bench_one(variant: str, q_lens, k_lens, args, inputs, reference=None) -> dict:
+    from hf_distca.kernels import attention_backward, attention_forward
+
+    backend = set_variant(variant)
+    q, k, v, dout, kargs = inputs
+
+    def fwd() -> tuple[torch.Tensor, torch.Tensor]:
+        return attention_forward(q, k, v, *kargs, backend=backend)
+
+    def fwd_bwd():
+        out, lse = fwd()
+        return out, lse, attention_backward(dout, q, k, v, out, lse, *kargs, backend=backend)
+
+    torch.cuda.synchronize()
+    result = fwd_bwd()  # also builds plans
+    torch.cuda.synchronize()
+    errors = {}
+    if reference is not None:
+        got, want = (result[0], *result[2]), (reference[0], *reference[2])
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+            errors[name] = float((a.float() - b.float()).abs().max() / b.float().abs().max())
+        del got, want, a, b
+    del result
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    result = fwd_bwd()
+    torch.cuda.synchronize()
+    peak_gib = (torch.cuda.max_memory_allocated() - base) / 2**30
+    del result
+    fwd_ms = time_ms(fwd, args.warmup, args.reps)
     fwd_bwd_ms = time_ms(fwd_bwd, args.warmup, args.reps)
-    fwd_flops = FWD_FLOPS_PER_PAIR * args.heads * args.head_dim * n_docs * causal_pairs(length)
+    fwd_flops = FWD_FLOPS_PER_PAIR * args.heads * args.head_dim * sum(map(visible_pairs, q_lens, k_lens))
     return {
-        "backend": backend,
-        "length": length,
-        "docs": n_docs,
-        "tokens": total,
+        "variant": variant,
         "fwd_ms": fwd_ms,
         "fwd_tflops": fwd_flops / (fwd_ms * 1e-3) / 1e12,
         "fwd_bwd_ms": fwd_bwd_ms,
         "fwd_bwd_tflops": FWD_BWD_FACTOR * fwd_flops / (fwd_bwd_ms * 1e-3) / 1e12,
+        "peak_gib": peak_gib,
+        "rel_err_vs_fa2": errors,
     }
 
 
-def to_markdown(rows: list[dict], args: argparse.Namespace, command: str) -> str:
-    props = torch.cuda.get_device_properties(0)
-    lines = [
-        "# Varlen attention kernel throughput",
-        "",
-        f"- command: `{command}`",
-        f"- GPU: {torch.cuda.get_device_name(0)} ({props.total_memory / 2**30:.0f} GiB)",
-        f"- torch {torch.__version__}, CUDA {torch.version.cuda}",
-        f"- {args.dtype}, {args.heads} query heads / {args.kv_heads} KV heads x {args.head_dim}, causal, "
-        f"packed documents of equal length, ~{args.tokens} tokens per call",
-        f"- time: median of {args.reps} repetitions after {args.warmup} warm-ups, CUDA events",
-        f"- FLOPs (causal convention): forward = {FWD_FLOPS_PER_PAIR} x Hq x D per causal (query, key) pair "
-        f"(L(L+1)/2 pairs per document); forward+backward = {FWD_BWD_FACTOR} x forward",
-        "",
-        "| backend | doc length | docs | tokens | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
+def plan_costs(args) -> list[str]:
+    """First cuDNN call in the process (handle, library load, first plans) and a new shape's plan builds."""
+    from hf_distca.kernels import attention_backward, attention_forward, cudnn_frontend
+
+    lines = []
+    for label, q_lens in (
+        ("first call in the process", [3000, 1000]),
+        ("a new shape (new plans)", [5000, 11000]),
+    ):
+        q, k, v, dout, kargs = make_inputs(q_lens, q_lens, args, seed=1)
+        before = dict(cudnn_frontend.plan_builds)
+        times = []
+        for _ in range(2):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out, lse = attention_forward(q, k, v, *kargs, backend="cudnn")
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            attention_backward(dout, q, k, v, out, lse, *kargs, backend="cudnn")
+            torch.cuda.synchronize()
+            times.append((t1 - t0, time.perf_counter() - t1))
+        built = {d: cudnn_frontend.plan_builds[d] - before[d] for d in before}
         lines.append(
-            f"| {r['backend']} | {r['length']} | {r['docs']} | {r['tokens']} | {r['fwd_ms']:.3f} | "
-            f"{r['fwd_tflops']:.1f} | {r['fwd_bwd_ms']:.3f} | {r['fwd_bwd_tflops']:.1f} |"
+            f"| {label} | {times[0][0] * 1e3:.1f} | {times[0][1] * 1e3:.1f} | {times[1][0] * 1e3:.1f} | "
+            f"{times[1][1] * 1e3:.1f} | {built['forward']} / {built['backward']} |"
         )
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        print(
-            "bench_kernels.py needs a CUDA GPU (torch.cuda.is_available() is False); the varlen kernel "
-            "backends it measures run on CUDA only. Run it on a GPU machine.",
-            file=sys.stderr,
-        )
+        print("bench_kernels.py needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
-    from hf_distca.kernels import available_backends
+    from hf_distca.kernels import available_backends, cudnn_frontend
 
-    dtype = getattr(torch, args.dtype)
-    usable = [b for b in available_backends(torch.device("cuda"), dtype) if b != "reference"]
-    wanted = usable if args.backends == "auto" else [b.strip() for b in args.backends.split(",") if b.strip()]
-    missing = [b for b in wanted if b not in usable]
-    if missing:
-        print(f"backend(s) {missing} not available here (available: {usable})", file=sys.stderr)
-        return 2
-    if not wanted:
-        print(
-            "no CUDA kernel backend is available (torch.nn.attention.varlen or flash-attn)", file=sys.stderr
-        )
-        return 2
+    usable = available_backends(torch.device("cuda"), torch.bfloat16)
+    variants = [v for v in args.variants if v.partition(":")[0] in usable]
+    skipped = [v for v in args.variants if v not in variants]
     script_args = sys.argv[1:] if argv is None else argv
     command = " ".join(shlex.quote(a) for a in ["python", "benchmarks/bench_kernels.py", *script_args])
-    rows = []
-    for backend in wanted:
-        for length in args.lengths:
-            rows.append(bench_one(backend, length, args))
-            r = rows[-1]
-            print(
-                f"{backend:13s} L={length:6d} x{r['docs']:4d}: fwd {r['fwd_ms']:8.3f} ms {r['fwd_tflops']:6.1f} TFLOP/s"
-                f" | fwd+bwd {r['fwd_bwd_ms']:8.3f} ms {r['fwd_bwd_tflops']:6.1f} TFLOP/s",
-                flush=True,
+    lines = [
+        "# Varlen attention kernels: throughput and peak memory",
+        "",
+        f"- command: `{command}`",
+        f"- GPU: {torch.cuda.get_device_name(0)}; torch {torch.__version__}, CUDA {torch.version.cuda}, "
+        f"cuDNN {torch.backends.cudnn.version()}",
+    ]
+    if "cudnn" in usable:
+        import cudnn
+
+        lines.append(
+            f"- cudnn-frontend {getattr(cudnn, '__version__', '?')} (backend {cudnn.backend_version()})"
+        )
+    lines += [
+        f"- bf16, {args.heads} query heads / {args.kv_heads} KV heads x {args.head_dim}, causal (bottom-right "
+        f"for suffix tasks), ~{args.tokens} packed tokens per call; explicit forward then backward",
+        f"- time: median of {args.reps} after {args.warmup} warm-ups, CUDA events; TFLOP/s: forward = "
+        f"{FWD_FLOPS_PER_PAIR} x Hq x D per visible (query, key) pair, forward+backward = {FWD_BWD_FACTOR} x that",
+        "- peak: most memory allocated during one forward+backward beyond the inputs (GiB)",
+        "- err: max |x - FA2| / max |FA2| of out, dq, dk, dv against torch_varlen",
+    ]
+    if skipped:
+        lines.append(f"- not available here: {skipped}")
+    plan_lines = []
+    if "cudnn" in usable:  # first: the first cuDNN call of the process is part of what it measures
+        try:
+            plan_lines = plan_costs(args)
+        except Exception as err:
+            traceback.print_exc()
+            plan_lines = [f"| error: {type(err).__name__}: {err} ||||||"]
+    rows = workloads(args)
+    results: dict[tuple[str, str], dict] = {}
+    detail = [
+        "",
+        "| workload | variant | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | peak GiB | err out/dq/dk/dv |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for name, q_lens, k_lens in rows:
+        inputs = make_inputs(q_lens, k_lens, args)
+        reference = None
+        for variant in variants:
+            try:
+                r = bench_one(variant, q_lens, k_lens, args, inputs, reference)
+            except Exception as err:  # one failing variant must not hide the others' numbers
+                traceback.print_exc()
+                results[(name, variant)] = {"error": f"{type(err).__name__}: {err}"[:200]}
+                detail.append(f"| {name} | {variant} | error: {results[(name, variant)]['error']} |||||||")
+                continue
+            if variant == "torch_varlen":
+                from hf_distca.kernels import attention_backward, attention_forward
+
+                out, lse = attention_forward(*inputs[:3], *inputs[4], backend="torch_varlen")
+                reference = (out, lse, attention_backward(inputs[3], *inputs[:3], out, lse, *inputs[4]))
+            results[(name, variant)] = r
+            err = "/".join(f"{e:.1e}" for e in r["rel_err_vs_fa2"].values()) or "-"
+            detail.append(
+                f"| {name} | {variant} | {r['fwd_ms']:.2f} | {r['fwd_tflops']:.0f} | {r['fwd_bwd_ms']:.2f} | "
+                f"{r['fwd_bwd_tflops']:.0f} | {r['peak_gib']:.2f} | {err} |"
             )
+            print(detail[-1], flush=True)
+        del inputs, reference
+        torch.cuda.empty_cache()
+
+    summary = [
+        "",
+        "## Forward+backward TFLOP/s (the issue's table)",
+        "",
+        "| workload | " + " | ".join(variants) + " | best cuDNN / FA2 |",
+        "|---|" + "---:|" * len(variants) + "---:|",
+    ]
+    for name, _, _ in rows:
+        cells, fa2, best = [], None, None
+        for variant in variants:
+            r = results.get((name, variant), {})
+            tf = r.get("fwd_bwd_tflops")
+            cells.append(f"{tf:.0f}" if tf is not None else "error")
+            if tf is not None and variant == "torch_varlen":
+                fa2 = tf
+            elif tf is not None:
+                best = max(best or 0.0, tf)
+        ratio = f"{best / fa2:.2f}x" if fa2 and best else "-"
+        summary.append(f"| {name} | " + " | ".join(cells) + f" | {ratio} |")
+
+    extra = []
+    if "cudnn" in usable:
+        extra += [
+            "",
+            "## cuDNN plan builds",
+            "",
+            "| call | 1st fwd ms | 1st bwd ms | 2nd fwd ms | 2nd bwd ms | plans built fwd / bwd |",
+            "|---|---:|---:|---:|---:|---|",
+        ]
+        extra += plan_lines
+        extra += [
+            "",
+            f"Plans built in the whole run: {cudnn_frontend.plan_builds}; backward log-sum-exp layout: "
+            f"{'packed (ragged)' if cudnn_frontend.ragged_backward_stats else 'padded'}.",
+            "",
+            "## Cost of rounding plan shapes up (fwd+bwd TFLOP/s, exact shapes / bucketed shapes)",
+            "",
+            "| workload | " + " | ".join(v for v in variants if v.startswith("cudnn")) + " |",
+            "|---|" + "---:|" * sum(v.startswith("cudnn") for v in variants),
+        ]
+        for name, q_lens, k_lens in rows:
+            if not name.startswith(("mixed", "suffix 1K", "2K docs", "server")):
+                continue
+            inputs = make_inputs(q_lens, k_lens, args)
+            cells = []
+            for variant in (v for v in variants if v.startswith("cudnn")):
+                pair = []
+                for exact in (True, False):
+                    cudnn_frontend.bucket_shapes = not exact
+                    try:
+                        pair.append(
+                            f"{bench_one(variant, q_lens, k_lens, args, inputs)['fwd_bwd_tflops']:.0f}"
+                        )
+                    except Exception as err:
+                        traceback.print_exc()
+                        pair.append(f"error: {type(err).__name__}")
+                cudnn_frontend.bucket_shapes = True
+                cells.append(" / ".join(pair))
+            extra.append(f"| {name} | " + " | ".join(cells) + " |")
+            del inputs
             torch.cuda.empty_cache()
-    text = to_markdown(rows, args, command)
+
+    text = "\n".join(lines + summary + ["", "## Details"] + detail + extra) + "\n"
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             f.write(text)
         print(f"wrote {args.out}")
-    else:
-        print(text)
+    print(text)
     return 0
 
 

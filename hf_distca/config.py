@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-KERNEL_BACKENDS = ("auto", "reference", "torch_varlen", "flash_attn")
+# The one list of kernel backend names: "auto", then every backend in the order "auto" prefers them.
+KERNEL_BACKENDS = ("auto", "cudnn", "torch_varlen", "flash_attn", "reference")
 
 
 @dataclass(frozen=True)
@@ -26,8 +27,8 @@ class DistCAConfig:
     would exceed it are skipped. None: unbounded."""
 
     backend: str = "auto"
-    """Kernel backend: 'auto' (flash_attn, then torch_varlen on CUDA; reference elsewhere),
-    'reference', 'torch_varlen' or 'flash_attn'."""
+    """Kernel backend, one of KERNEL_BACKENDS: 'auto' picks the first usable one in that order (the CUDA
+    kernels for float16/bfloat16 CUDA tensors, 'reference' elsewhere)."""
 
     max_planner_moves: int = 100_000
     """Safety bound on greedy moves per plan (planning stops early, never loops forever)."""

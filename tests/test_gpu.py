@@ -1,7 +1,9 @@
-"""CUDA kernel backends (torch_varlen, flash_attn when installed) against the fp32 reference kernel.
+"""CUDA kernel backends (torch_varlen, cudnn and flash_attn when installed) against the reference kernel.
 
-bf16, GQA 32/8 heads x 128, query shards at the end of KV prefixes (cu_seqlens_q != cu_seqlens_k)
-and whole documents, lengths up to 8K. Skipped without CUDA.
+bf16, GQA 32/8 heads x 128: whole documents, CA-task suffix shards (cu_seqlens_q != cu_seqlens_k), the
+two mixed in one call, empty, 1-token and KV-only (0-query) sequences, lengths up to 8K. Forward output
+and log-sum-exp, and the explicit backward (dq, dk, dv), each against the float32 reference on the same
+bf16 values. Skipped without CUDA.
 """
 
 from __future__ import annotations
@@ -10,7 +12,14 @@ import pytest
 import torch
 from tolerances import TOL
 
-from hf_distca.kernels import available_backends, reference_varlen_attention, varlen_attention
+from hf_distca.kernels import (
+    attention_backward,
+    attention_forward,
+    available_backends,
+    cudnn_frontend,
+    reference_varlen_attention,
+    varlen_attention,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -22,11 +31,13 @@ HQ, HKV, D = 32, 8, 128
 SHAPES = {
     # (q_lens, k_lens)
     "whole_docs": ([1, 129, 1000, 2048, 8192], [1, 129, 1000, 2048, 8192]),
-    "q_shards_kv_prefix": ([128, 1, 1000, 2048, 4096], [1024, 1, 3000, 2048, 8192]),
+    "suffix_tasks": ([128, 1, 1000, 2048, 4096], [1024, 1, 3000, 2048, 8192]),
+    # prefix and suffix sequences in one call, with empty (0/0) and KV-only (0 queries) sequences
+    "mixed_empty": ([0, 700, 0, 1, 300, 0, 2048], [0, 700, 513, 5, 900, 0, 2048]),
 }
 
 
-def _backends() -> list[str]:
+def _usable() -> list[str]:
     if not torch.cuda.is_available():
         return []
     return [b for b in available_backends(torch.device("cuda"), torch.bfloat16) if b != "reference"]
@@ -36,66 +47,143 @@ def _cu(lengths: list[int]) -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
 
 
-def _run(fn, q, k, v, dout):
-    qq, kk, vv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-    out, lse = fn(qq, kk, vv)
-    out.backward(dout)
-    return out.detach().float(), lse.float(), qq.grad.float(), kk.grad.float(), vv.grad.float()
-
-
-@pytest.mark.parametrize("case", sorted(SHAPES))
-@pytest.mark.parametrize("backend", ["torch_varlen", "flash_attn"])
-def test_cuda_backend_matches_reference(backend, case):
-    if backend not in _backends():
-        pytest.skip(f"backend {backend} is not available here")
-    q_lens, k_lens = SHAPES[case]
-    g = torch.Generator(device="cuda").manual_seed(0)
+def _inputs(q_lens, k_lens, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(sum(q_lens), HQ, D, device="cuda", generator=g).bfloat16()
     k = torch.randn(sum(k_lens), HKV, D, device="cuda", generator=g).bfloat16()
     v = torch.randn(sum(k_lens), HKV, D, device="cuda", generator=g).bfloat16()
     dout = torch.randn(q.shape, device="cuda", generator=g).bfloat16()
-    cu_q, cu_k = _cu(q_lens), _cu(k_lens)
-    scale = D**-0.5
+    return q, k, v, dout
 
-    got = _run(
-        lambda a, b, c: varlen_attention(
-            a, b, c, cu_q, cu_k, max(q_lens), max(k_lens), scale=scale, return_lse=True, backend=backend
-        ),
-        q,
-        k,
-        v,
-        dout,
-    )
 
-    def reference(a, b, c):
-        # float32 math on the same bf16 values; output kept in float32 (no bf16 rounding on the oracle side)
-        return reference_varlen_attention(
-            a.float(),
-            b.float(),
-            c.float(),
-            cu_q,
-            cu_k,
-            max(q_lens),
-            max(k_lens),
-            scale=scale,
-            return_lse=True,
-        )
+def _reference(q, k, v, dout, args):
+    """float32 math on the same bf16 values, gradients by autograd; nothing rounded to bf16."""
+    qq, kk, vv = (t.detach().float().requires_grad_(True) for t in (q, k, v))
+    out, lse = reference_varlen_attention(qq, kk, vv, *args, return_lse=True)
+    out.backward(dout.float())
+    return out.detach(), lse, qq.grad, kk.grad, vv.grad
 
-    want = _run(reference, q, k, v, dout.float())
 
+def _assert_close_to_reference(got, want, kv_only_rows):
     rtol, atol = TOL["gpu_out"]
-    torch.testing.assert_close(got[0], want[0], rtol=rtol, atol=atol, msg=lambda m: f"out: {m}")
+    torch.testing.assert_close(got[0].float(), want[0], rtol=rtol, atol=atol, msg=lambda m: f"out: {m}")
     rtol, atol = TOL["gpu_lse"]
-    torch.testing.assert_close(got[1], want[1], rtol=rtol, atol=atol, msg=lambda m: f"lse: {m}")
+    torch.testing.assert_close(got[1].float(), want[1], rtol=rtol, atol=atol, msg=lambda m: f"lse: {m}")
     rtol, scale_tol = TOL["gpu_grad"]
     for name, a, b in zip(("dq", "dk", "dv"), got[2:], want[2:]):
         assert b.abs().max() > 0
         atol = scale_tol * float(b.abs().max())
-        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(a.float(), b, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+    for name, a in zip(("dk", "dv"), got[3:]):
+        assert torch.all(a[kv_only_rows] == 0), f"{name} of keys no query sees must be exactly zero"
+
+
+def _kv_only_rows(q_lens, k_lens):
+    rows = torch.zeros(sum(k_lens), dtype=torch.bool, device="cuda")
+    start = 0
+    for lq, lk in zip(q_lens, k_lens):
+        rows[start : start + lk] = lq == 0
+        start += lk
+    return rows
+
+
+# cudnn runs in both suffix strategies (see hf_distca/kernels/cudnn_frontend.py)
+VARIANTS = ["cudnn:split", "cudnn:bottom_right", "torch_varlen", "flash_attn"]
+
+
+def _select(variant: str, monkeypatch) -> str:
+    backend, _, strategy = variant.partition(":")
+    if backend not in _usable():
+        pytest.skip(f"backend {backend} is not available here")
+    if strategy:
+        monkeypatch.setattr(cudnn_frontend, "suffix_strategy", strategy)
+    return backend
+
+
+@pytest.mark.parametrize("case", sorted(SHAPES))
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_cuda_backend_forward_backward_match_reference(variant, case, monkeypatch):
+    backend = _select(variant, monkeypatch)
+    q_lens, k_lens = SHAPES[case]
+    q, k, v, dout = _inputs(q_lens, k_lens)
+    args = (_cu(q_lens), _cu(k_lens), max(q_lens), max(k_lens))
+    out, lse = attention_forward(q, k, v, *args, backend=backend)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32 and lse.shape == q.shape[:2]
+    grads = attention_backward(dout, q, k, v, out, lse, *args, backend=backend)
+    assert [g.dtype for g in grads] == [torch.bfloat16] * 3
+    _assert_close_to_reference(
+        (out, lse, *grads), _reference(q, k, v, dout, args), _kv_only_rows(q_lens, k_lens)
+    )
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_cuda_backend_autograd_function(variant, monkeypatch):
+    """varlen_attention (the differentiable convenience) gives the same gradients through autograd."""
+    backend = _select(variant, monkeypatch)
+    q_lens, k_lens = SHAPES["mixed_empty"]
+    q, k, v, dout = _inputs(q_lens, k_lens, seed=1)
+    args = (_cu(q_lens), _cu(k_lens), max(q_lens), max(k_lens))
+    qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+    out = varlen_attention(qq, kk, vv, *args, backend=backend)
+    out.backward(dout)
+    _, lse = attention_forward(q, k, v, *args, backend=backend)
+    got = (out.detach(), lse, qq.grad, kk.grad, vv.grad)
+    _assert_close_to_reference(got, _reference(q, k, v, dout, args), _kv_only_rows(q_lens, k_lens))
+
+
+def test_cudnn_launch_writes_only_its_own_rows():
+    """The cudnn backend lets several launches share output buffers: a launch must leave every row
+    outside its sequences untouched (checked on buffers poisoned with NaN). Forward launches may address
+    sequences with gaps between them; backward launches are always packed from row 0."""
+    if "cudnn" not in _usable():
+        pytest.skip("backend cudnn is not available here")
+    q_lens, k_lens = [300, 200, 129], [300, 700, 129]
+    q, k, v, dout = _inputs(q_lens, k_lens, seed=2)
+    scale = D**-0.5
+    # forward over sequences 0 and 2 only (rows q 0-299 and 500-628, k 0-299 and 1000-1128)
+    call = cudnn_frontend.KernelCall(
+        cudnn_frontend.TOP_LEFT, (0, 500), (0, 1000), (300, 129), (300, 129), (0, 500), False
+    )
+    mine_q = torch.zeros(q.shape[0], dtype=torch.bool, device="cuda")
+    mine_q[0:300] = mine_q[500:629] = True
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:2], float("nan"), device="cuda")
+    cudnn_frontend.launch_forward(call, q, k, v, out, lse, scale)
+    assert not out[mine_q].isnan().any() and not lse[mine_q].isnan().any()
+    assert out[~mine_q].isnan().all() and lse[~mine_q].isnan().all()
+    # backward over two packed sequences (q rows 0-299 and 300-428, k rows 0-299 and 300-428)
+    packed = cudnn_frontend.KernelCall(
+        cudnn_frontend.TOP_LEFT, (0, 300), (0, 300), (300, 129), (300, 129), (0, 300), False
+    )
+    out, lse = torch.zeros_like(q), torch.zeros(q.shape[:2], device="cuda")
+    cudnn_frontend.launch_forward(packed, q, k, v, out, lse, scale)
+    dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
+    cudnn_frontend.launch_backward(packed, dout, q, k, v, out, lse, dq, dk, dv, scale)
+    assert not dq[:429].isnan().any() and dq[429:].isnan().all()
+    for grad in (dk, dv):
+        assert not grad[:429].isnan().any() and grad[429:].isnan().all()
+
+
+def test_cudnn_plans_are_reused_across_nearby_shapes(monkeypatch):
+    """Batch sizes and lengths within one bucket reuse the plans built for the first call."""
+    _select("cudnn:split", monkeypatch)
+    # same grouping (two whole documents, one suffix task), every shape in the same bucket
+    runs = [([1000, 3000, 700], [1000, 3000, 900]), ([1010, 2900, 650], [1010, 2900, 860])]
+    builds = []
+    for q_lens, k_lens in runs:
+        q, k, v, dout = _inputs(q_lens, k_lens, seed=3)
+        args = (_cu(q_lens), _cu(k_lens), max(q_lens), max(k_lens))
+        out, lse = attention_forward(q, k, v, *args, backend="cudnn")
+        attention_backward(dout, q, k, v, out, lse, *args, backend="cudnn")
+        builds.append(dict(cudnn_frontend.plan_builds))
+    assert builds[1] == builds[0], (
+        f"plans built: after the first call {builds[0]}, after the second {builds[1]}"
+    )
 
 
 def test_auto_backend_on_cuda_bf16_is_a_gpu_kernel():
-    assert available_backends(torch.device("cuda"), torch.bfloat16)[0] in ("flash_attn", "torch_varlen")
+    usable = available_backends(torch.device("cuda"), torch.bfloat16)
+    assert usable[0] in ("cudnn", "torch_varlen", "flash_attn")
     assert available_backends(torch.device("cuda"), torch.float32) == ["reference"]
 
 

@@ -1,7 +1,9 @@
-"""The CPU reference kernel against a naive per-sequence oracle, backend resolution, refusals.
+"""Kernel forward/backward of every CPU-runnable backend against two oracles; backend resolution; refusals.
 
-The oracle below is written independently of hf_distca.kernels: one sequence at a time, an explicit
-boolean mask built by a double loop's worth of comparisons, torch.softmax in float64.
+Oracle (a) is written independently of hf_distca.kernels: one sequence at a time, an explicit boolean
+mask filled row by row, torch.softmax in float64, gradients by torch.autograd of that. Oracle (b) is
+torch.autograd of the reference backend's differentiable forward (the closed-form backward must agree
+with the autograd of the forward it belongs to).
 """
 
 from __future__ import annotations
@@ -12,13 +14,21 @@ import pytest
 import torch
 from tolerances import TOL
 
+from hf_distca.config import KERNEL_BACKENDS
 from hf_distca.kernels import (
     UnsupportedFeatureError,
+    attention_backward,
+    attention_forward,
     available_backends,
+    cudnn_frontend,
+    reference,
     reference_varlen_attention,
     resolve_backend,
     varlen_attention,
 )
+from hf_distca.kernels.common import check_inputs
+
+CPU_BACKENDS = available_backends(torch.device("cpu"), torch.float32)
 
 
 def naive_attention(
@@ -31,7 +41,7 @@ def naive_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Oracle: per sequence, bottom-right causal mask[i, j] = j <= i + (lk - lq); float64; returns (out, lse)."""
     groups = q.shape[1] // k.shape[1]
-    outs, lses = [], []
+    outs, lses = [q[:0].double()], [q[:0, :, 0].double()]
     q0 = k0 = 0
     for lq, lk in zip(q_lens, k_lens):
         qs = q[q0 : q0 + lq].double()  # (lq, Hq, D)
@@ -49,8 +59,16 @@ def naive_attention(
     return torch.cat(outs), torch.cat(lses)
 
 
+def naive_grads(q, k, v, dout, q_lens, k_lens, scale):
+    """dq, dk, dv of sum(naive_attention(q, k, v) * dout), float64."""
+    qq, kk, vv = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    out, _ = naive_attention(qq, kk, vv, q_lens, k_lens, scale)
+    (out * dout.double()).sum().backward()
+    return qq.grad, kk.grad, vv.grad
+
+
 def _cu(lengths: list[int]) -> torch.Tensor:
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32)
 
 
 def _inputs(q_lens, k_lens, hq, hkv, d, dtype, seed=0):
@@ -58,59 +76,140 @@ def _inputs(q_lens, k_lens, hq, hkv, d, dtype, seed=0):
     q = torch.randn(sum(q_lens), hq, d, generator=g, dtype=torch.float64).to(dtype)
     k = torch.randn(sum(k_lens), hkv, d, generator=g, dtype=torch.float64).to(dtype)
     v = torch.randn(sum(k_lens), hkv, d, generator=g, dtype=torch.float64).to(dtype)
-    return q, k, v
+    dout = torch.randn(sum(q_lens), hq, d, generator=g, dtype=torch.float64).to(dtype)
+    return q, k, v, dout
 
 
-# (q_lens, k_lens): whole documents, CA-task shards (a query shard at the end of its KV prefix),
-# length-1 sequences and a shard longer than the reference kernel's 1024-query chunk.
+# (q_lens, k_lens)
 SHAPES = {
-    "whole_docs": ([5, 1, 17, 64], [5, 1, 17, 64]),
-    "q_shards_kv_prefix": ([3, 1, 20, 7], [10, 1, 50, 7]),
+    # whole documents (prefix-aligned: len_q == len_k), incl. a 1-token document
+    "whole_docs": ([5, 1, 17, 40], [5, 1, 17, 40]),
+    # CA-task suffix shards: queries are the last positions of a longer KV prefix (cu_q != cu_k)
+    "suffix_tasks": ([3, 1, 20, 7], [10, 1, 50, 7]),
+    # length-1 queries over 1, 9, 2 keys
     "length_one": ([1, 1, 1], [1, 9, 2]),
-    "long_shard_chunked": ([1100], [1300]),
+    # empty documents (0 queries, 0 keys) and 0-query sequences that still hold keys (zero dk/dv)
+    "empty_and_kv_only": ([0, 4, 0, 0, 6, 0], [0, 4, 5, 0, 9, 3]),
+    # prefix and suffix sequences mixed in one call
+    "mixed": ([16, 2, 9, 1], [16, 30, 9, 4]),
 }
+SCALE = 0.37  # custom, not 1/sqrt(d)
 
 
-@pytest.mark.parametrize("case", sorted(SHAPES))
+def _tol(dtype):
+    return TOL["kernel_fp64" if dtype == torch.float64 else "fp32"]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize(("hq", "hkv"), [(4, 4), (8, 2)])
-def test_reference_matches_oracle_fp64(case, hq, hkv):
+@pytest.mark.parametrize("case", sorted(SHAPES))
+def test_forward_backward_match_naive_oracle(case, hq, hkv, dtype, backend):
     q_lens, k_lens = SHAPES[case]
-    d = 8 if case == "long_shard_chunked" else 16
-    q, k, v = _inputs(q_lens, k_lens, hq, hkv, d, torch.float64)
-    scale = 0.37  # custom, not 1/sqrt(d)
-    out, lse = reference_varlen_attention(
-        q, k, v, _cu(q_lens), _cu(k_lens), max(q_lens), max(k_lens), scale=scale, return_lse=True
+    q, k, v, dout = _inputs(q_lens, k_lens, hq, hkv, 16, dtype, seed=len(case))
+    cu_q, cu_k = _cu(q_lens), _cu(k_lens)
+    args = (cu_q, cu_k, max(q_lens), max(k_lens))
+    out, lse = attention_forward(q, k, v, *args, scale=SCALE, backend=backend)
+    want_out, want_lse = naive_attention(q, k, v, q_lens, k_lens, SCALE)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert lse.shape == q.shape[:2] and lse.dtype == (
+        torch.float64 if dtype == torch.float64 else torch.float32
     )
-    ref_out, ref_lse = naive_attention(q, k, v, q_lens, k_lens, scale)
-    assert out.dtype == torch.float64 and out.shape == (sum(q_lens), hq, d)
-    assert lse.shape == (sum(q_lens), hq) and lse.dtype == torch.float32
+    rtol, atol = _tol(dtype)
+    torch.testing.assert_close(out.double(), want_out, rtol=rtol, atol=atol)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=rtol, atol=atol)
+
+    grads = attention_backward(dout, q, k, v, out, lse, *args, scale=SCALE, backend=backend)
+    want = naive_grads(q, k, v, dout, q_lens, k_lens, SCALE)
+    for name, got, ref, like in zip(("dq", "dk", "dv"), grads, want, (q, k, v)):
+        assert got.dtype == like.dtype and got.shape == like.shape, name
+        assert ref.abs().max() > 0, f"{name} of the oracle is identically zero: the case tests nothing"
+        torch.testing.assert_close(got.double(), ref, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("case", ["suffix_tasks", "empty_and_kv_only", "mixed"])
+def test_backward_matches_autograd_of_reference(case, backend):
+    """Oracle (b): the explicit backward equals torch.autograd through the reference forward."""
+    q_lens, k_lens = SHAPES[case]
+    q, k, v, dout = _inputs(q_lens, k_lens, 6, 2, 8, torch.float64, seed=7)
+    args = (_cu(q_lens), _cu(k_lens), max(q_lens), max(k_lens))
+    qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+    (reference_varlen_attention(qq, kk, vv, *args, scale=SCALE) * dout).sum().backward()
+    out, lse = attention_forward(q, k, v, *args, scale=SCALE, backend=backend)
+    got = attention_backward(dout, q, k, v, out, lse, *args, scale=SCALE, backend=backend)
     rtol, atol = TOL["kernel_fp64"]
-    torch.testing.assert_close(out, ref_out, rtol=rtol, atol=atol)
-    # the LSE is returned in float32 by contract: compare at float32 precision
-    rtol, atol = TOL["fp32"]
-    torch.testing.assert_close(lse.double(), ref_lse, rtol=rtol, atol=atol)
+    for name, g, w in zip(("dq", "dk", "dv"), got, (qq.grad, kk.grad, vv.grad)):
+        torch.testing.assert_close(g, w, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("case", ["whole_docs", "q_shards_kv_prefix", "length_one"])
-def test_reference_matches_oracle_fp32_gqa(case):
-    q_lens, k_lens = SHAPES[case]
-    q, k, v = _inputs(q_lens, k_lens, 8, 2, 32, torch.float32, seed=1)
-    out, lse = varlen_attention(
-        q, k, v, _cu(q_lens), _cu(k_lens), max(q_lens), max(k_lens), return_lse=True, backend="auto"
+def test_kv_only_sequences_get_zero_gradients():
+    q_lens, k_lens = SHAPES["empty_and_kv_only"]
+    q, k, v, dout = _inputs(q_lens, k_lens, 4, 2, 8, torch.float64, seed=3)
+    args = (_cu(q_lens), _cu(k_lens), max(q_lens), max(k_lens))
+    out, lse = attention_forward(q, k, v, *args)
+    _, dk, dv = attention_backward(dout, q, k, v, out, lse, *args)
+    kv_only = torch.zeros(sum(k_lens), dtype=torch.bool)
+    for (a, b), lq in zip(zip(_cu(k_lens)[:-1].tolist(), _cu(k_lens)[1:].tolist()), q_lens):
+        kv_only[a:b] = lq == 0
+    assert kv_only.sum() == 8
+    assert torch.all(dk[kv_only] == 0) and torch.all(dv[kv_only] == 0)
+    assert torch.all(dk[~kv_only].abs().sum((1, 2)) > 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_varlen_attention_autograd_function(dtype):
+    """The differentiable convenience: forward = attention_forward, gradients = the naive oracle's."""
+    q_lens, k_lens = SHAPES["mixed"]
+    q, k, v, dout = _inputs(q_lens, k_lens, 8, 2, 16, dtype, seed=11)
+    qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+    out = varlen_attention(qq, kk, vv, _cu(q_lens), _cu(k_lens), max(q_lens), max(k_lens))
+    out.backward(dout)
+    scale = 1 / math.sqrt(16)  # the default
+    rtol, atol = _tol(dtype)
+    torch.testing.assert_close(
+        out.double(), naive_attention(q, k, v, q_lens, k_lens, scale)[0], rtol=rtol, atol=atol
     )
-    ref_out, ref_lse = naive_attention(q, k, v, q_lens, k_lens, 1 / math.sqrt(32))  # default scale
-    assert out.dtype == torch.float32
-    rtol, atol = TOL["fp32"]
-    torch.testing.assert_close(out.double(), ref_out, rtol=rtol, atol=atol)
-    torch.testing.assert_close(lse.double(), ref_lse, rtol=rtol, atol=atol)
+    for name, g, w in zip(
+        "qkv", (qq.grad, kk.grad, vv.grad), naive_grads(q, k, v, dout, q_lens, k_lens, scale)
+    ):
+        torch.testing.assert_close(g.double(), w, rtol=rtol, atol=atol, msg=lambda m, n=name: f"d{n}: {m}")
+
+
+def test_empty_batch():
+    q, k, v, dout = _inputs([0], [5], 4, 2, 8, torch.float32)
+    args = (_cu([0]), _cu([5]), 0, 5)
+    out, lse = attention_forward(q, k, v, *args)
+    assert out.shape == (0, 4, 8) and lse.shape == (0, 4)
+    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, *args)
+    assert dq.shape == (0, 4, 8) and torch.all(dk == 0) and torch.all(dv == 0) and dk.shape == k.shape
+    kk = k.clone().requires_grad_(True)
+    varlen_attention(q, kk, v, *args).sum().backward()
+    assert torch.all(kk.grad == 0)
+
+
+def test_query_chunks_are_seamless(monkeypatch):
+    """The reference processes queries in chunks: chunk boundaries (3 rows) must not change any number."""
+    q_lens, k_lens = [10, 7], [13, 7]
+    q, k, v, dout = _inputs(q_lens, k_lens, 4, 2, 8, torch.float64, seed=5)
+    args = (_cu(q_lens), _cu(k_lens), 10, 13)
+    monkeypatch.setattr(reference, "_Q_CHUNK", 3)
+    out, lse = attention_forward(q, k, v, *args, scale=SCALE)
+    grads = attention_backward(dout, q, k, v, out, lse, *args, scale=SCALE)
+    want_out, want_lse = naive_attention(q, k, v, q_lens, k_lens, SCALE)
+    rtol, atol = TOL["kernel_fp64"]
+    torch.testing.assert_close(out, want_out, rtol=rtol, atol=atol)
+    torch.testing.assert_close(lse, want_lse, rtol=rtol, atol=atol)
+    for g, w in zip(grads, naive_grads(q, k, v, dout, q_lens, k_lens, SCALE)):
+        torch.testing.assert_close(g, w, rtol=rtol, atol=atol)
 
 
 def test_bottom_right_alignment_closed_form():
     """q = 0 makes attention uniform over the visible keys: out = mean of visible v (independent of the oracle)."""
     q_lens, k_lens = [2, 1], [4, 3]
+    _, k, v, _ = _inputs(q_lens, k_lens, 2, 1, 4, torch.float64, seed=2)
     q = torch.zeros(3, 2, 4, dtype=torch.float64)
-    _, k, v = _inputs(q_lens, k_lens, 2, 1, 4, torch.float64, seed=2)
-    out, lse = reference_varlen_attention(q, k, v, _cu(q_lens), _cu(k_lens), 2, 4, scale=1.0, return_lse=True)
+    out, lse = attention_forward(q, k, v, _cu(q_lens), _cu(k_lens), 2, 4, scale=1.0)
     expected = torch.stack(
         [
             v[0:3, 0].mean(0),  # sequence 0, query 0 (position 2 of 4) sees keys 0..2
@@ -121,71 +220,77 @@ def test_bottom_right_alignment_closed_form():
     rtol, atol = TOL["closed_form"]
     torch.testing.assert_close(out[:, 0], expected, rtol=rtol, atol=atol)
     torch.testing.assert_close(out[:, 1], expected, rtol=rtol, atol=atol)  # GQA: both heads share kv head 0
-    torch.testing.assert_close(lse[:, 0].double(), torch.log(torch.tensor([3.0, 4.0, 3.0])).double())
+    torch.testing.assert_close(lse[:, 0], torch.log(torch.tensor([3.0, 4.0, 3.0], dtype=torch.float64)))
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_reference_gradients_match_oracle(dtype):
-    q_lens, k_lens = [3, 1, 9, 1], [8, 1, 9, 4]
-    q, k, v = _inputs(q_lens, k_lens, 6, 2, 8, dtype, seed=3)
-    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
-    scale = 0.5
-
-    def grads(fn):
-        qq, kk, vv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-        out = fn(qq, kk, vv)
-        (out.double() * dout).sum().backward()
-        return qq.grad.double(), kk.grad.double(), vv.grad.double()
-
-    got = grads(
-        lambda a, b, c: reference_varlen_attention(a, b, c, _cu(q_lens), _cu(k_lens), 9, 9, scale=scale)
-    )
-    want = grads(lambda a, b, c: naive_attention(a, b, c, q_lens, k_lens, scale)[0])
-    rtol, atol = TOL["kernel_fp64" if dtype == torch.float64 else "fp32"]
-    for name, g, w in zip("qkv", got, want):
-        assert g.abs().max() > 0, f"d{name} is identically zero"
-        torch.testing.assert_close(g, w, rtol=rtol, atol=atol, msg=lambda m, n=name: f"d{n}: {m}")
+def test_lse_is_float32_for_low_precision_inputs():
+    q, k, v, _ = _inputs([5], [5], 2, 2, 8, torch.bfloat16)
+    out, lse = attention_forward(q, k, v, _cu([5]), _cu([5]), 5, 5)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
 
 
-def test_empty_query_sequence_is_skipped():
-    """A sequence with 0 queries (a KV-only entry) contributes nothing and shifts nothing."""
-    q_lens, k_lens = [2, 0, 3], [2, 5, 3]
-    q, k, v = _inputs(q_lens, k_lens, 2, 2, 4, torch.float64, seed=5)
-    out = reference_varlen_attention(q, k, v, _cu(q_lens), _cu(k_lens), 3, 5, scale=0.5)
-    ref = torch.cat(
-        [
-            naive_attention(q[:2], k[:2], v[:2], [2], [2], 0.5)[0],
-            naive_attention(q[2:], k[7:], v[7:], [3], [3], 0.5)[0],
-        ]
-    )
-    rtol, atol = TOL["kernel_fp64"]
-    torch.testing.assert_close(out, ref, rtol=rtol, atol=atol)
+# ---------------------------------------------------------------------------------------------------------
+# bad input
 
 
-def test_fewer_keys_than_queries_raises():
-    q, k, v = _inputs([4], [3], 2, 2, 4, torch.float64)
+def test_more_queries_than_keys_raises():
+    q, k, v, dout = _inputs([2, 4], [2, 3], 2, 2, 4, torch.float64)
+    args = (_cu([2, 4]), _cu([2, 3]), 4, 3)
+    with pytest.raises(ValueError, match="sequence 1: 4 queries but only 3 keys"):
+        attention_forward(q, k, v, *args)
     with pytest.raises(ValueError, match="at least as many keys as queries"):
-        reference_varlen_attention(q, k, v, _cu([4]), _cu([3]), 4, 3, scale=1.0)
+        attention_backward(dout, q, k, v, dout, dout[..., 0], *args)
+    with pytest.raises(ValueError, match="at least as many keys as queries"):
+        varlen_attention(q, k, v, *args)
+
+
+def test_bad_shapes_raise():
+    q, k, v, dout = _inputs([4], [4], 3, 2, 4, torch.float32)
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        attention_forward(q, k, v, _cu([4]), _cu([4]), 4, 4)
+    q, k, v, dout = _inputs([4], [4], 2, 2, 4, torch.float32)
+    with pytest.raises(ValueError, match="same number of entries"):
+        attention_forward(q, k, v, _cu([4]), _cu([2, 2]), 4, 4)
+    with pytest.raises(ValueError, match="end at the tensor's row count 4"):
+        attention_forward(q, k, v, _cu([3]), _cu([4]), 4, 4)
+    with pytest.raises(ValueError, match="max_seqlen_q/k"):
+        attention_forward(q, k, v, _cu([4]), _cu([4]), 2, 4)
+    with pytest.raises(ValueError, match="share one dtype"):
+        attention_forward(q, k.double(), v, _cu([4]), _cu([4]), 4, 4)
+    out, lse = attention_forward(q, k, v, _cu([4]), _cu([4]), 4, 4)
+    with pytest.raises(ValueError, match=r"lse must be shaped \(Tq, Hq\)"):
+        attention_backward(dout, q, k, v, out, lse.t(), _cu([4]), _cu([4]), 4, 4)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # backend resolution
 
 
+def test_backend_names_come_from_config():
+    assert KERNEL_BACKENDS[0] == "auto" and "reference" in KERNEL_BACKENDS
+    for name in KERNEL_BACKENDS[1:]:
+        # every configured name resolves to itself or raises the "cannot run here" error, never "unknown"
+        try:
+            assert resolve_backend(name, torch.device("cpu"), torch.float32) == name
+        except UnsupportedFeatureError as err:
+            assert "cannot run here" in str(err)
+
+
 def test_auto_backend_on_cpu_is_reference():
     for dtype in (torch.float32, torch.bfloat16, torch.float64):
         assert resolve_backend("auto", torch.device("cpu"), dtype) == "reference"
         assert available_backends(torch.device("cpu"), dtype) == ["reference"]
-    assert resolve_backend("reference", torch.device("cpu"), torch.float32) == "reference"
 
 
-@pytest.mark.parametrize("backend", ["torch_varlen", "flash_attn"])
+@pytest.mark.parametrize("backend", [b for b in KERNEL_BACKENDS if b not in ("auto", "reference")])
 def test_explicit_gpu_backend_on_cpu_raises_helpful_error(backend):
     with pytest.raises(
         UnsupportedFeatureError, match=rf"backend '{backend}' cannot run here.*backend='auto'"
     ):
         resolve_backend(backend, torch.device("cpu"), torch.bfloat16)
-    q, k, v = _inputs([4], [4], 2, 2, 4, torch.bfloat16)
+    q, k, v, dout = _inputs([4], [4], 2, 2, 4, torch.bfloat16)
+    with pytest.raises(UnsupportedFeatureError, match="cannot run here"):
+        attention_forward(q, k, v, _cu([4]), _cu([4]), 4, 4, backend=backend)
     with pytest.raises(UnsupportedFeatureError, match="cannot run here"):
         varlen_attention(q, k, v, _cu([4]), _cu([4]), 4, 4, backend=backend)
 
@@ -196,28 +301,115 @@ def test_unknown_backend_raises():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# refused features
+# cudnn backend: its host-side planning (alignment groups, suffix split and lse merge, side buffers) with
+# every cuDNN launch replaced by an emulation that honours the same contract (per call: sequences at
+# ragged row offsets, one mask, writes only its own rows). The cuDNN kernels themselves: tests/test_gpu.py.
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "match"),
-    [
-        ({"sliding_window": 128}, "sliding-window"),
-        ({"softcap": 30.0}, "softcap"),
-        ({"dropout": 0.1}, "dropout"),
-        ({"sinks": torch.zeros(2)}, "sinks"),
-    ],
-)
-def test_unsupported_features_raise(kwargs, match):
-    q, k, v = _inputs([4], [4], 2, 2, 4, torch.float32)
-    with pytest.raises(UnsupportedFeatureError, match=match):
-        varlen_attention(q, k, v, _cu([4]), _cu([4]), 4, 4, **kwargs)
+def _emulated_scores(call, j, q, k, scale):
+    """Float64 scores (Hq, lq, lk) of sequence j of a call, masked by the call's alignment."""
+    lq, lk = call.q_lens[j], call.k_lens[j]
+    qs = q[call.q_rows[j] : call.q_rows[j] + lq].double()  # (lq, Hq, D)
+    groups = q.shape[1] // k.shape[1]
+    ks = k[call.k_rows[j] : call.k_rows[j] + lk].double().repeat_interleave(groups, dim=1)  # (lk, Hq, D)
+    scores = torch.einsum("ihd,jhd->hij", qs, ks) * scale
+    i = torch.arange(lq).unsqueeze(1)
+    c = torch.arange(lk).unsqueeze(0)
+    visible = {
+        cudnn_frontend.TOP_LEFT: c <= i,
+        cudnn_frontend.BOTTOM_RIGHT: c <= i + (lk - lq),
+        cudnn_frontend.FULL: c >= 0,
+    }[call.mask]
+    return scores.masked_fill(~visible, float("-inf"))
 
 
-def test_bad_shapes_raise():
-    q, k, v = _inputs([4], [4], 3, 2, 4, torch.float32)
-    with pytest.raises(ValueError, match="multiple of key/value heads"):
-        varlen_attention(q, k, v, _cu([4]), _cu([4]), 4, 4)
-    q, k, v = _inputs([4], [4], 2, 2, 4, torch.float32)
-    with pytest.raises(ValueError, match="same number of entries"):
-        varlen_attention(q, k, v, _cu([4]), _cu([2, 2]), 4, 4)
+def _emulated_forward(call, q, k, v, out, lse, scale):
+    groups = q.shape[1] // k.shape[1]
+    for j in range(call.num_seqs):
+        scores = _emulated_scores(call, j, q, k, scale)
+        vs = v[call.k_rows[j] : call.k_rows[j] + call.k_lens[j]].double().repeat_interleave(groups, dim=1)
+        rows = slice(call.out_rows[j], call.out_rows[j] + call.q_lens[j])
+        out[rows] = torch.einsum("hij,jhd->ihd", torch.softmax(scores, -1), vs).to(out.dtype)
+        lse[rows] = torch.logsumexp(scores, -1).transpose(0, 1).to(lse.dtype)
+
+
+def _emulated_backward(call, dout, q, k, v, out, lse, dq, dk, dv, scale):
+    # the backend's contract with cuDNN's backward: every launch is packed (sequences back to back from
+    # row 0 on the query side and on the key side)
+    starts = cudnn_frontend.packed_starts
+    assert call.q_rows == call.out_rows == starts(call.q_lens) and call.k_rows == starts(call.k_lens), call
+    hkv, groups = k.shape[1], q.shape[1] // k.shape[1]
+    for j in range(call.num_seqs):
+        lq, lk = call.q_lens[j], call.k_lens[j]
+        qrows = slice(call.q_rows[j], call.q_rows[j] + lq)
+        krows = slice(call.k_rows[j], call.k_rows[j] + lk)
+        ks = k[krows].double().repeat_interleave(groups, dim=1)  # (lk, Hq, D)
+        vs = v[krows].double().repeat_interleave(groups, dim=1)
+        dos, os = dout[qrows].double(), out[qrows].double()  # (lq, Hq, D)
+        probs = torch.exp(_emulated_scores(call, j, q, k, scale) - lse[qrows].double().T.unsqueeze(-1))
+        dprobs = torch.einsum("ihd,jhd->hij", dos, vs)
+        dscores = probs * (dprobs - (dos * os).sum(-1).T.unsqueeze(-1))  # (Hq, lq, lk)
+        dq[call.out_rows[j] : call.out_rows[j] + lq] = (scale * torch.einsum("hij,jhd->ihd", dscores, ks)).to(
+            dq.dtype
+        )
+        dk_full = scale * torch.einsum("hij,ihd->jhd", dscores, q[qrows].double())  # (lk, Hq, D)
+        dv_full = torch.einsum("hij,ihd->jhd", probs, dos)
+        dk[krows] = dk_full.view(lk, hkv, groups, -1).sum(2).to(dk.dtype)
+        dv[krows] = dv_full.view(lk, hkv, groups, -1).sum(2).to(dv.dtype)
+
+
+@pytest.mark.parametrize("strategy", cudnn_frontend.SUFFIX_STRATEGIES)
+@pytest.mark.parametrize("case", sorted(SHAPES))
+def test_cudnn_host_logic_with_emulated_launches(case, strategy, monkeypatch):
+    monkeypatch.setattr(cudnn_frontend, "launch_forward", _emulated_forward)
+    monkeypatch.setattr(cudnn_frontend, "launch_backward", _emulated_backward)
+    monkeypatch.setattr(cudnn_frontend, "suffix_strategy", strategy)
+    q_lens, k_lens = SHAPES[case]
+    q, k, v, dout = _inputs(q_lens, k_lens, 8, 2, 16, torch.float32, seed=13)
+    seqs = check_inputs(q, k, v, _cu(q_lens), _cu(k_lens), max(q_lens), max(k_lens))
+    out, lse = cudnn_frontend.forward(q, k, v, seqs, SCALE)
+    want_out, want_lse = naive_attention(q, k, v, q_lens, k_lens, SCALE)
+    rtol, atol = TOL["fp32"]
+    torch.testing.assert_close(out.double(), want_out, rtol=rtol, atol=atol)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=rtol, atol=atol)
+    grads = cudnn_frontend.backward(dout, q, k, v, out, lse, seqs, SCALE)
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, naive_grads(q, k, v, dout, q_lens, k_lens, SCALE)):
+        torch.testing.assert_close(got.double(), ref, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_cudnn_call_plan_groups_by_alignment():
+    q_lens, k_lens = [4, 0, 2, 3, 0], [4, 6, 5, 3, 0]
+    q, k, v, _ = _inputs(q_lens, k_lens, 2, 2, 4, torch.float32)
+    seqs = check_inputs(q, k, v, _cu(q_lens), _cu(k_lens), 4, 6)
+    # rows: q 0-3 | - | 4-5 | 6-8 ; k 0-3 | 4-9 | 10-14 | 15-17
+    grouped = cudnn_frontend.plan_calls(seqs, "bottom_right")
+    assert [(c.mask, c.q_rows, c.k_rows, c.q_lens, c.k_lens, c.side) for c in grouped] == [
+        (cudnn_frontend.TOP_LEFT, (0, 6), (0, 15), (4, 3), (4, 3), False),
+        (cudnn_frontend.BOTTOM_RIGHT, (4,), (10,), (2,), (5,), False),
+    ]
+    split = cudnn_frontend.plan_calls(seqs, "split")
+    assert [(c.mask, c.q_rows, c.k_rows, c.q_lens, c.k_lens, c.out_rows, c.side) for c in split] == [
+        # the suffix sequence's causal square over its last 2 keys (rows 13-14) joins the top-left call
+        (cudnn_frontend.TOP_LEFT, (0, 4, 6), (0, 13, 15), (4, 2, 3), (4, 2, 3), (0, 4, 6), False),
+        # and its 3 earlier keys (rows 10-12) run non-causal into side rows 0-1
+        (cudnn_frontend.FULL, (4,), (10,), (2,), (3,), (0,), True),
+    ]
+    with pytest.raises(ValueError, match="suffix_strategy"):
+        cudnn_frontend.plan_calls(seqs, "top_left")
+
+
+def test_cudnn_plan_buckets():
+    """Batch sizes and lengths round up <= 25% (4 steps per octave), never below the minimum."""
+    assert [cudnn_frontend.bucket(n, 1) for n in (1, 2, 5, 9, 17, 100)] == [1, 2, 5, 10, 20, 112]
+    assert [cudnn_frontend.bucket(n, 128) for n in (1, 128, 129, 1000, 65536, 65537)] == [
+        128,
+        128,
+        160,
+        1024,
+        65536,
+        81920,
+    ]
+    for n in range(129, 70000, 97):
+        assert n <= cudnn_frontend.bucket(n, 128) <= 1.25 * n
+    # a training run's varying lengths map to few plans: every length in (32K, 64K] -> 4 buckets
+    assert {cudnn_frontend.bucket(n, 128) for n in range(32769, 65537)} == {40960, 49152, 57344, 65536}

@@ -1,63 +1,213 @@
-"""Varlen causal attention kernels behind one interface.
+"""Varlen causal attention kernels behind one interface, with an explicit forward and backward.
 
 Every backend takes packed (T, H, D) tensors with cumulative sequence offsets where
 ``cu_seqlens_q`` may differ from ``cu_seqlens_k``: sequence ``i`` pairs queries
 ``q[cu_q[i]:cu_q[i+1]]`` with keys ``k[cu_k[i]:cu_k[i+1]]``. Causal masking is aligned
-bottom-right (the last query sees the last key), which is exactly the shape of a CA-task: a query
-shard at the end of a longer KV prefix. GQA (fewer KV heads) is supported by every backend.
+bottom-right (query i of a sequence sees keys j <= i + (len_k - len_q)), which is exactly the shape of
+a CA-task: a query shard at the end of a longer KV prefix. GQA (fewer KV heads) is supported by every
+backend.
+
+:func:`attention_forward` returns the output and the log-sum-exp of the scaled scores;
+:func:`attention_backward` turns (q, k, v, out, lse, dout) into (dq, dk, dv). Neither is
+differentiable: they are the pieces that autograd operators (the engine's, :func:`varlen_attention`'s)
+are built from, so that a caller can keep ``out`` and ``lse`` and run only the backward kernel later.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
-from hf_distca.kernels.common import UnsupportedFeatureError, check_features, check_shapes
-from hf_distca.kernels.flash import flash_attn_available, flash_attn_varlen
+from hf_distca.config import KERNEL_BACKENDS
+from hf_distca.kernels import cudnn_frontend, flash, reference, torch_varlen
+from hf_distca.kernels.common import PackedSeqs, UnsupportedFeatureError, check_backward_inputs, check_inputs
 from hf_distca.kernels.reference import reference_varlen_attention
-from hf_distca.kernels.torch_varlen import torch_varlen_attention, torch_varlen_available
 
 __all__ = [
     "UnsupportedFeatureError",
+    "attention_backward",
+    "attention_forward",
     "available_backends",
+    "reference_varlen_attention",
     "resolve_backend",
     "varlen_attention",
-    "reference_varlen_attention",
 ]
 
 _HALF = (torch.float16, torch.bfloat16)
 
 
+@dataclass(frozen=True)
+class _Backend:
+    available: Callable[[], bool]
+    """Whether the backend's library imports and a CUDA device is present (always True for reference)."""
+    cuda_half_only: bool
+    """Runs only on CUDA tensors in float16/bfloat16."""
+    forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    """(q, k, v, seqs, scale) -> (out, lse)."""
+    backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    """(dout, q, k, v, out, lse, seqs, scale) -> (dq, dk, dv)."""
+    missing: str
+    """What to install when ``available()`` is False."""
+
+
+_BACKENDS: dict[str, _Backend] = {
+    "cudnn": _Backend(
+        cudnn_frontend.available,
+        True,
+        cudnn_frontend.forward,
+        cudnn_frontend.backward,
+        "NVIDIA's cudnn-frontend (pip install hf_distca[cudnn]) and a CUDA device",
+    ),
+    "torch_varlen": _Backend(
+        torch_varlen.available,
+        True,
+        torch_varlen.forward,
+        torch_varlen.backward,
+        "torch.nn.attention.varlen (torch >= 2.10) and a CUDA device",
+    ),
+    "flash_attn": _Backend(
+        flash.available, True, flash.forward, flash.backward, "flash-attn (pip install flash-attn) and CUDA"
+    ),
+    "reference": _Backend(lambda: True, False, reference.forward, reference.backward, ""),
+}
+# config.KERNEL_BACKENDS is the one list of names: 'auto' first, then every backend best first
+if set(KERNEL_BACKENDS) != {"auto", *_BACKENDS}:
+    raise RuntimeError(
+        f"config.KERNEL_BACKENDS {KERNEL_BACKENDS} and the kernel registry {list(_BACKENDS)} differ"
+    )
+
+
+def _usable(name: str, device: torch.device, dtype: torch.dtype) -> bool:
+    backend = _BACKENDS[name]
+    if backend.cuda_half_only and (device.type != "cuda" or dtype not in _HALF):
+        return False
+    return backend.available()
+
+
 def available_backends(device: torch.device, dtype: torch.dtype) -> list[str]:
-    """Backends that can run on ``device`` with ``dtype``, best first."""
-    names = []
-    if device.type == "cuda" and dtype in _HALF:
-        if flash_attn_available():
-            names.append("flash_attn")
-        if torch_varlen_available():
-            names.append("torch_varlen")
-    names.append("reference")
-    return names
+    """Backends that can run on ``device`` with ``dtype``, best first (the order of KERNEL_BACKENDS)."""
+    return [name for name in KERNEL_BACKENDS if name != "auto" and _usable(name, device, dtype)]
 
 
 def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
     """Turn 'auto' into a concrete backend; raise a clear error for an impossible explicit choice."""
-    usable = available_backends(device, dtype)
+    if backend not in KERNEL_BACKENDS:
+        raise ValueError(f"unknown kernel backend {backend!r}; use one of {', '.join(KERNEL_BACKENDS)}")
     if backend == "auto":
-        return usable[0]
-    if backend not in ("reference", "torch_varlen", "flash_attn"):
-        raise ValueError(
-            f"unknown kernel backend {backend!r}; use auto, reference, torch_varlen or flash_attn"
-        )
-    if backend not in usable:
+        return available_backends(device, dtype)[0]
+    if not _usable(backend, device, dtype):
+        spec = _BACKENDS[backend]
         why = (
-            "flash-attn is not installed (pip install flash-attn)"
-            if backend == "flash_attn" and not flash_attn_available()
+            f"it needs {spec.missing}"
+            if not spec.available()
             else f"it needs a CUDA tensor in float16/bfloat16, got {device.type} {dtype}"
         )
         raise UnsupportedFeatureError(
             f"kernel backend {backend!r} cannot run here: {why}. Use backend='auto'."
         )
     return backend
+
+
+def _forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: PackedSeqs, scale: float, name: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if q.shape[0] == 0:  # no query rows: nothing to run (GPU kernels may refuse empty launches)
+        lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        return q.new_empty(q.shape), torch.empty(0, q.shape[1], dtype=lse_dtype, device=q.device)
+    return _BACKENDS[name].forward(q, k, v, seqs, scale)
+
+
+def _backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    seqs: PackedSeqs,
+    scale: float,
+    name: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if q.shape[0] == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dq, dk, dv = _BACKENDS[name].backward(dout, q, k, v, out, lse, seqs, scale)
+    for i in range(seqs.num_seqs):
+        if seqs.q_len(i) == 0 and seqs.k_len(i) > 0:  # keys nobody queries: zero whatever the kernel left
+            dk[seqs.k_bounds[i] : seqs.k_bounds[i + 1]] = 0
+            dv[seqs.k_bounds[i] : seqs.k_bounds[i + 1]] = 0
+    return dq, dk, dv
+
+
+def attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal (bottom-right aligned) varlen attention forward; not differentiable.
+
+    q: (Tq, Hq, D); k, v: (Tk, Hkv, D) with Hq % Hkv == 0; cu_seqlens_*: (N + 1,) int offsets with the
+    same N (a sequence may have 0 queries, and then any number of keys; never more queries than keys).
+    scale defaults to D ** -0.5. Returns out (Tq, Hq, D) in q's dtype and lse (Tq, Hq), the natural-log
+    log-sum-exp of the scaled scores, in float32 (float64 for float64 inputs). Offsets on a GPU are read
+    once on the host (one synchronisation); pass them on the CPU to avoid it.
+    """
+    seqs = check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    name = resolve_backend(backend, q.device, q.dtype)
+    return _forward(q, k, v, seqs, q.shape[-1] ** -0.5 if scale is None else scale, name)
+
+
+def attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`attention_forward` from its inputs, its (out, lse) and dout; not differentiable.
+
+    Returns dq like q and dk, dv like k, v (GQA: summed over each KV head's query group), in the inputs'
+    dtypes. Keys of sequences without queries get zero gradients. ``out`` and ``lse`` must come from a
+    forward of the same inputs (any backend: all agree up to rounding).
+    """
+    seqs = check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    check_backward_inputs(dout, q, out, lse)
+    name = resolve_backend(backend, q.device, q.dtype)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _backward(dout, q, k, v, out, lse, seqs, scale, name)
+
+
+class _VarlenAttention(torch.autograd.Function):
+    """attention_forward with attention_backward as its gradient; saves q, k, v, out and lse."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, seqs: PackedSeqs, scale: float, name: str):  # type: ignore[override]
+        out, lse = _forward(q, k, v, seqs, scale, name)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.seqs, ctx.scale, ctx.name = seqs, scale, name
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(dout.contiguous(), q, k, v, out, lse, ctx.seqs, ctx.scale, ctx.name)
+        return dq, dk, dv, None, None, None
 
 
 def varlen_attention(
@@ -70,41 +220,10 @@ def varlen_attention(
     max_seqlen_k: int,
     *,
     scale: float | None = None,
-    causal: bool = True,
-    return_lse: bool = False,
     backend: str = "auto",
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    dropout: float = 0.0,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Causal (bottom-right aligned) varlen attention.
-
-    q: (Tq, Hq, D); k, v: (Tk, Hkv, D) with Hq % Hkv == 0; cu_seqlens_*: (N + 1,) int offsets.
-    Returns out (Tq, Hq, D) in q's dtype, and with ``return_lse`` also the log-sum-exp of the scaled
-    scores, (Tq, Hq) float32. Features no backend here implements (sliding window, softcap, dropout,
-    attention sinks) raise :class:`UnsupportedFeatureError` rather than being ignored.
-    """
-    check_features(sliding_window=sliding_window, softcap=softcap, dropout=dropout, sinks=sinks)
-    check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
+) -> torch.Tensor:
+    """Differentiable :func:`attention_forward` (output only): an autograd.Function whose backward is
+    :func:`attention_backward` of the same backend."""
+    seqs = check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     name = resolve_backend(backend, q.device, q.dtype)
-    if name == "flash_attn":
-        fn = flash_attn_varlen
-    elif name == "torch_varlen":
-        fn = torch_varlen_attention
-    else:
-        fn = reference_varlen_attention
-    return fn(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        int(max_seqlen_q),
-        int(max_seqlen_k),
-        scale=scale,
-        causal=causal,
-        return_lse=return_lse,
-    )
+    return _VarlenAttention.apply(q, k, v, seqs, q.shape[-1] ** -0.5 if scale is None else scale, name)

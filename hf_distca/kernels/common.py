@@ -1,43 +1,62 @@
-"""Checks shared by every kernel backend."""
+"""Input validation shared by every kernel backend, and the packed-sequence description they receive."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 
 class UnsupportedFeatureError(ValueError):
-    """An attention feature the distca kernels do not implement (raised instead of computing wrong math)."""
+    """An attention feature or backend the distca kernels cannot run (raised instead of computing wrong math)."""
 
 
-def check_features(
-    *, sliding_window: int | None, softcap: float | None, dropout: float, sinks: torch.Tensor | None
-) -> None:
-    """Refuse features that would otherwise be silently ignored."""
-    if sliding_window is not None:
-        raise UnsupportedFeatureError(
-            f"sliding-window attention (window={sliding_window}) is not supported by the distca kernels; "
-            "use a model config with sliding_window=None (or use_sliding_window=False)"
-        )
-    if softcap is not None and softcap != 0:
-        raise UnsupportedFeatureError(
-            f"attention logit softcapping (softcap={softcap}) is not supported by the distca kernels; "
-            "use attn_implementation='eager' for this model"
-        )
-    if dropout:
-        raise UnsupportedFeatureError(
-            f"attention dropout (p={dropout}) is not supported by the distca kernels; set the config's "
-            "attention_dropout=0.0"
-        )
-    if sinks is not None:
-        raise UnsupportedFeatureError(
-            "attention sinks are not supported by the distca kernels; use attn_implementation='eager'"
-        )
+@dataclass(frozen=True)
+class PackedSeqs:
+    """The varlen layout of one kernel call, validated once and shared by forward and backward.
+
+    Sequence ``i`` pairs queries ``q[q_bounds[i]:q_bounds[i + 1]]`` with keys
+    ``k[k_bounds[i]:k_bounds[i + 1]]``; causal masking is aligned bottom-right.
+    """
+
+    cu_seqlens_q: torch.Tensor
+    """(N + 1,) int offsets of the query rows, as the caller passed them (any device)."""
+    cu_seqlens_k: torch.Tensor
+    """(N + 1,) int offsets of the key/value rows."""
+    max_seqlen_q: int
+    """Upper bound on any sequence's query count (kernels size their grids by it)."""
+    max_seqlen_k: int
+    """Upper bound on any sequence's key count."""
+    q_bounds: tuple[int, ...]
+    """Host copy of cu_seqlens_q."""
+    k_bounds: tuple[int, ...]
+    """Host copy of cu_seqlens_k."""
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.q_bounds) - 1
+
+    def q_len(self, i: int) -> int:
+        return self.q_bounds[i + 1] - self.q_bounds[i]
+
+    def k_len(self, i: int) -> int:
+        return self.k_bounds[i + 1] - self.k_bounds[i]
 
 
-def check_shapes(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor
-) -> None:
-    """Validate the packed layout (cheap: no device synchronisation)."""
+def check_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+) -> PackedSeqs:
+    """Validate the packed layout and return it with host copies of the offsets.
+
+    Reading the offsets on the host synchronises with the device when they live on a GPU; callers
+    that want to avoid the synchronisation pass them on the CPU (backends move them as needed).
+    """
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(
             f"varlen attention expects q, k, v shaped (T, H, D); got {tuple(q.shape)}, "
@@ -47,10 +66,64 @@ def check_shapes(
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q and k head_dim differ: {q.shape[-1]} vs {k.shape[-1]}")
-    if q.shape[1] % k.shape[1] != 0:
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
-    if cu_q.dim() != 1 or cu_k.dim() != 1 or cu_q.numel() != cu_k.numel():
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if cu_seqlens_q.dim() != 1 or cu_seqlens_k.dim() != 1 or cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError(
             "cu_seqlens_q and cu_seqlens_k must be 1-D with the same number of entries (N + 1), got "
-            f"{tuple(cu_q.shape)} and {tuple(cu_k.shape)}"
+            f"{tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}"
         )
+    if cu_seqlens_q.numel() == 0 or cu_seqlens_q.is_floating_point() or cu_seqlens_k.is_floating_point():
+        raise ValueError("cu_seqlens_q/k must be non-empty integer tensors starting at 0")
+    q_bounds = tuple(int(x) for x in cu_seqlens_q.tolist())
+    k_bounds = tuple(int(x) for x in cu_seqlens_k.tolist())
+    for name, bounds, rows in (
+        ("cu_seqlens_q", q_bounds, q.shape[0]),
+        ("cu_seqlens_k", k_bounds, k.shape[0]),
+    ):
+        if bounds[0] != 0 or bounds[-1] != rows:
+            raise ValueError(
+                f"{name} must start at 0 and end at the tensor's row count {rows}, got {bounds[0]} .. {bounds[-1]}"
+            )
+        if any(b < a for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(f"{name} must be non-decreasing, got {list(bounds)}")
+    longest_q = longest_k = 0
+    for i in range(len(q_bounds) - 1):
+        lq, lk = q_bounds[i + 1] - q_bounds[i], k_bounds[i + 1] - k_bounds[i]
+        if lq > lk:
+            raise ValueError(
+                f"sequence {i}: {lq} queries but only {lk} keys; bottom-right causal attention needs at "
+                "least as many keys as queries (queries are the last lq positions of their keys)"
+            )
+        longest_q, longest_k = max(longest_q, lq), max(longest_k, lk)
+    if int(max_seqlen_q) < longest_q or int(max_seqlen_k) < longest_k:
+        raise ValueError(
+            f"max_seqlen_q/k ({max_seqlen_q}, {max_seqlen_k}) must be at least the longest sequence "
+            f"({longest_q} queries, {longest_k} keys)"
+        )
+    return PackedSeqs(cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), q_bounds, k_bounds)
+
+
+def device_offsets(cu_seqlens: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """cu_seqlens as int32 on ``device``; a host tensor goes through pinned memory so the copy does not
+    wait for the device's queued work."""
+    if cu_seqlens.device == device:
+        return cu_seqlens.to(torch.int32)
+    host = cu_seqlens.to(torch.int32)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def check_backward_inputs(dout: torch.Tensor, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """The extra tensors of a backward call must match the forward's shapes."""
+    if dout.shape != q.shape or out.shape != q.shape:
+        raise ValueError(
+            f"dout and out must be shaped like q {tuple(q.shape)}, got {tuple(dout.shape)} and {tuple(out.shape)}"
+        )
+    if lse.shape != q.shape[:2]:
+        raise ValueError(f"lse must be shaped (Tq, Hq) = {tuple(q.shape[:2])}, got {tuple(lse.shape)}")

@@ -1,56 +1,96 @@
-"""flash_attn.flash_attn_varlen_func, used when the flash-attn package is installed (CUDA only)."""
+"""The flash-attn package (FlashAttention-2), used only when it imports (CUDA only).
+
+Untested in this project's CI and GPU runs (neither has flash-attn installed): it follows the package's
+documented varlen forward (``flash_attn_varlen_func(..., return_attn_probs=True)`` for the
+log-sum-exp) and calls the package's varlen backward function by the argument names its installed
+version declares. flash-attn >= 2.1 aligns causal bottom-right and takes H_kv < H_q natively.
+"""
 
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 
+from hf_distca.kernels.common import PackedSeqs, device_offsets
+
 
 @functools.lru_cache(maxsize=1)
-def _flash_attn_varlen_func():
+def _interface():
     try:
-        from flash_attn import flash_attn_varlen_func
+        from flash_attn import flash_attn_interface
     except Exception:  # ImportError, or a broken CUDA extension build
         return None
-    return flash_attn_varlen_func
+    return flash_attn_interface
 
 
-def flash_attn_available() -> bool:
-    return _flash_attn_varlen_func() is not None and torch.cuda.is_available()
+def available() -> bool:
+    return _interface() is not None and torch.cuda.is_available()
 
 
-def flash_attn_varlen(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    *,
-    scale: float,
-    causal: bool = True,
-    return_lse: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """See :func:`hf_distca.kernels.varlen_attention`. flash-attn >= 2.1 aligns causal bottom-right."""
-    fn = _flash_attn_varlen_func()
-    cu_q = cu_seqlens_q.to(device=q.device, dtype=torch.int32)
-    cu_k = cu_seqlens_k.to(device=q.device, dtype=torch.int32)
-    result = fn(
+def _offsets(seqs: PackedSeqs, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return device_offsets(seqs.cu_seqlens_q, device), device_offsets(seqs.cu_seqlens_k, device)
+
+
+def forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: PackedSeqs, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    cu_q, cu_k = _offsets(seqs, q.device)
+    out, lse, _ = _interface().flash_attn_varlen_func(
         q,
         k,
         v,
         cu_q,
         cu_k,
-        max_seqlen_q,
-        max_seqlen_k,
+        seqs.max_seqlen_q,
+        seqs.max_seqlen_k,
         dropout_p=0.0,
         softmax_scale=scale,
-        causal=causal,
-        return_attn_probs=return_lse,
+        causal=True,
+        return_attn_probs=True,
     )
-    if return_lse:
-        out, lse = result[0], result[1]  # lse: (Hq, Tq)
-        return out, lse.float().transpose(0, 1).contiguous()  # (Tq, Hq)
-    return result
+    return out, lse.float().transpose(0, 1).contiguous()  # (Hq, Tq) -> (Tq, Hq)
+
+
+def backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    seqs: PackedSeqs,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    fn = _interface()._flash_attn_varlen_backward
+    cu_q, cu_k = _offsets(seqs, q.device)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    values = {
+        "dout": dout.contiguous(),
+        "q": q,
+        "k": k,
+        "v": v,
+        "out": out,
+        "softmax_lse": lse.float().transpose(0, 1).contiguous(),  # (Hq, Tq)
+        "dq": dq,
+        "dk": dk,
+        "dv": dv,
+        "cu_seqlens_q": cu_q,
+        "cu_seqlens_k": cu_k,
+        "max_seqlen_q": seqs.max_seqlen_q,
+        "max_seqlen_k": seqs.max_seqlen_k,
+        "dropout_p": 0.0,
+        "softmax_scale": scale,
+        "causal": True,
+        "window_size": (-1, 0),
+        "window_size_left": -1,
+        "window_size_right": 0,
+        "softcap": 0.0,
+        "alibi_slopes": None,
+        "deterministic": False,
+        "rng_state": None,
+    }
+    params = inspect.signature(fn).parameters
+    fn(**{name: values[name] for name in params if name in values})
+    return dq, dk, dv

@@ -1,14 +1,114 @@
-"""The fp32 reference kernel: plain softmax attention per sequence. It is the oracle of every test.
+"""The reference kernel: plain softmax attention per sequence, the oracle of every test.
 
-Any device, any dtype (computes in float32, or float64 for float64 inputs; returns q's dtype), differentiable through autograd.
-Queries are processed in chunks so memory stays at O(chunk x Tk) per sequence.
+Any device, any dtype: computes in float32 (float64 for float64 inputs) and returns q's dtype. Queries
+are processed in chunks so memory stays at O(chunk x Tk x Hq) per sequence. The forward is written
+with differentiable torch ops (tests take torch.autograd of it as a second oracle); the backward is
+the closed form from q, k, v, out, lse and dout that fused kernels implement.
 """
 
 from __future__ import annotations
 
 import torch
 
+from hf_distca.kernels.common import PackedSeqs, check_inputs
+
 _Q_CHUNK = 1024
+_CHUNK_ELEMENTS = 1 << 26  # scores per chunk (Hq x rows x keys): 256 MiB in float32
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 by contract; float64 inputs keep float64 so that float64 backward stays float64-exact."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _chunks(q0: int, q1: int, lk: int, heads: int) -> list[tuple[int, int]]:
+    rows = max(1, min(_Q_CHUNK, _CHUNK_ELEMENTS // max(1, lk * heads)))
+    return [(c0, min(c0 + rows, q1)) for c0 in range(q0, q1, rows)]
+
+
+def _causal_allowed(c0: int, c1: int, lq: int, lk: int, device: torch.device) -> torch.Tensor:
+    """(rows, lk) mask: query row r (index r in its shard of lq) sees keys j <= r + (lk - lq)."""
+    rows = torch.arange(c0, c1, device=device).unsqueeze(1)  # (lc, 1), shard-relative
+    cols = torch.arange(lk, device=device).unsqueeze(0)  # (1, lk)
+    return cols <= rows + (lk - lq)
+
+
+def forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: PackedSeqs, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """out (Tq, Hq, D) in q.dtype and lse (Tq, Hq); differentiable through autograd."""
+    groups = q.shape[1] // k.shape[1]
+    compute = _compute_dtype(q.dtype)
+    outs, lses = [], []
+    for i in range(seqs.num_seqs):
+        q0, k0, k1 = seqs.q_bounds[i], seqs.k_bounds[i], seqs.k_bounds[i + 1]
+        lq, lk = seqs.q_len(i), seqs.k_len(i)
+        if lq == 0:
+            continue
+        ks = k[k0:k1].to(compute).repeat_interleave(groups, dim=1)  # (lk, Hq, D)
+        vs = v[k0:k1].to(compute).repeat_interleave(groups, dim=1)  # (lk, Hq, D)
+        for c0, c1 in _chunks(0, lq, lk, q.shape[1]):
+            qs = q[q0 + c0 : q0 + c1].to(compute)  # (lc, Hq, D)
+            scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale  # (Hq, lc, lk)
+            scores = scores.masked_fill(~_causal_allowed(c0, c1, lq, lk, q.device), float("-inf"))
+            lse = torch.logsumexp(scores, dim=-1)  # (Hq, lc); every row sees >= 1 key (lq <= lk)
+            probs = torch.exp(scores - lse.unsqueeze(-1))  # (Hq, lc, lk)
+            outs.append(torch.einsum("hqk,khd->qhd", probs, vs))  # (lc, Hq, D)
+            lses.append(lse.transpose(0, 1))  # (lc, Hq)
+    if not outs:
+        # no query rows: keep the graph connected to q, k and v so autograd returns zeros, not None
+        empty = (q[:0].to(compute).sum() + k.to(compute).sum() + v.to(compute).sum()) * 0
+        out = (q.to(compute) * 0 + empty).to(q.dtype)  # (0, Hq, D)
+        return out, torch.zeros(0, q.shape[1], dtype=_lse_dtype(q.dtype), device=q.device)
+    return torch.cat(outs).to(q.dtype), torch.cat(lses).to(_lse_dtype(q.dtype))
+
+
+def backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    seqs: PackedSeqs,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Closed-form gradients: P = exp(S - lse), dV = P^T dO, dP = dO V^T, delta = rowsum(dO * O),
+    dS = P * (dP - delta), dQ = scale dS K, dK = scale dS^T Q; GQA sums dK/dV over each query group."""
+    hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+    groups = hq // hkv
+    compute = _compute_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=compute, device=q.device)  # (Tq, Hq, D)
+    dk = torch.zeros(k.shape, dtype=compute, device=k.device)  # (Tk, Hkv, D)
+    dv = torch.zeros(v.shape, dtype=compute, device=v.device)  # (Tk, Hkv, D)
+    for i in range(seqs.num_seqs):
+        q0, k0, k1 = seqs.q_bounds[i], seqs.k_bounds[i], seqs.k_bounds[i + 1]
+        lq, lk = seqs.q_len(i), seqs.k_len(i)
+        if lq == 0:
+            continue  # keys nobody queries get zero gradients
+        ks = k[k0:k1].to(compute).repeat_interleave(groups, dim=1)  # (lk, Hq, D)
+        vs = v[k0:k1].to(compute).repeat_interleave(groups, dim=1)  # (lk, Hq, D)
+        dk_seq = torch.zeros(lk, hq, d, dtype=compute, device=q.device)  # (lk, Hq, D), per query head
+        dv_seq = torch.zeros(lk, hq, d, dtype=compute, device=q.device)  # (lk, Hq, D)
+        for c0, c1 in _chunks(0, lq, lk, hq):
+            rows = slice(q0 + c0, q0 + c1)
+            qs, dos, os = (t[rows].to(compute) for t in (q, dout, out))  # (lc, Hq, D) each
+            scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale  # (Hq, lc, lk)
+            scores = scores.masked_fill(~_causal_allowed(c0, c1, lq, lk, q.device), float("-inf"))
+            probs = torch.exp(scores - lse[rows].to(compute).transpose(0, 1).unsqueeze(-1))  # (Hq, lc, lk)
+            dv_seq += torch.einsum("hqk,qhd->khd", probs, dos)
+            dprobs = torch.einsum("qhd,khd->hqk", dos, vs)  # (Hq, lc, lk)
+            delta = (dos * os).sum(-1).transpose(0, 1).unsqueeze(-1)  # (Hq, lc, 1)
+            dscores = probs * (dprobs - delta)  # (Hq, lc, lk)
+            dq[rows] = scale * torch.einsum("hqk,khd->qhd", dscores, ks)
+            dk_seq += scale * torch.einsum("hqk,qhd->khd", dscores, qs)
+        dk[k0:k1] = dk_seq.view(lk, hkv, groups, d).sum(2)  # query head h uses KV head h // groups
+        dv[k0:k1] = dv_seq.view(lk, hkv, groups, d).sum(2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def reference_varlen_attention(
@@ -20,51 +120,14 @@ def reference_varlen_attention(
     max_seqlen_q: int,
     max_seqlen_k: int,
     *,
-    scale: float,
-    causal: bool = True,
+    scale: float | None = None,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """See :func:`hf_distca.kernels.varlen_attention`."""
-    groups = q.shape[1] // k.shape[1]
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    cu_q = cu_seqlens_q.tolist()
-    cu_k = cu_seqlens_k.tolist()
-    outs, lses = [], []
-    for i in range(len(cu_q) - 1):
-        q0, q1, k0, k1 = cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]
-        lq, lk = q1 - q0, k1 - k0
-        if lq == 0:
-            continue
-        if causal and lk < lq:
-            raise ValueError(
-                f"sequence {i}: {lq} queries but only {lk} keys; bottom-right causal attention needs "
-                "at least as many keys as queries"
-            )
-        if lk == 0:
-            raise ValueError(f"sequence {i}: {lq} queries attend to no keys")
-        ks = k[k0:k1].to(compute).repeat_interleave(groups, dim=1)  # (lk, Hq, D)
-        vs = v[k0:k1].to(compute).repeat_interleave(groups, dim=1)  # (lk, Hq, D)
-        for c0 in range(q0, q1, _Q_CHUNK):
-            c1 = min(c0 + _Q_CHUNK, q1)
-            qs = q[c0:c1].to(compute)  # (lc, Hq, D)
-            scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale  # (Hq, lc, lk)
-            if causal:
-                # query row r (absolute index c0 - q0 + r in the shard) sees keys j <= r + offset.
-                rows = torch.arange(c0 - q0, c1 - q0, device=q.device).unsqueeze(1)  # (lc, 1)
-                cols = torch.arange(lk, device=q.device).unsqueeze(0)  # (1, lk)
-                allowed = cols <= rows + (lk - lq)  # (lc, lk)
-                scores = scores.masked_fill(~allowed, float("-inf"))
-            lse = torch.logsumexp(scores, dim=-1)  # (Hq, lc)
-            probs = torch.exp(scores - lse.unsqueeze(-1))  # (Hq, lc, lk)
-            outs.append(torch.einsum("hqk,khd->qhd", probs, vs))  # (lc, Hq, D)
-            lses.append(lse.transpose(0, 1))  # (lc, Hq)
-    if outs:
-        out = torch.cat(outs).to(q.dtype)
-        lse_all = torch.cat(lses).float()
-    else:
-        # keep the graph connected so callers can still backpropagate through an empty batch
-        out = (q[:0].float() * 0).to(q.dtype)
-        lse_all = torch.zeros(0, q.shape[1], dtype=torch.float32, device=q.device)
-    if out.shape[0] != q.shape[0]:
-        raise ValueError(f"cu_seqlens_q covers {out.shape[0]} queries but q holds {q.shape[0]}")
-    return (out, lse_all) if return_lse else out
+    """The oracle: the reference forward differentiated by torch.autograd (no explicit backward).
+
+    Same layout and masking as :func:`hf_distca.kernels.attention_forward`; returns out, and with
+    ``return_lse`` also lse.
+    """
+    seqs = check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    out, lse = forward(q, k, v, seqs, q.shape[-1] ** -0.5 if scale is None else scale)
+    return (out, lse) if return_lse else out

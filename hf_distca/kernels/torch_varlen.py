@@ -1,7 +1,12 @@
-"""torch.nn.attention.varlen.varlen_attn (FlashAttention-2 inside) on CUDA.
+"""torch.nn.attention.varlen (FlashAttention-2 inside) on CUDA: forward and backward as separate calls.
 
-torch 2.10 spells causal ``is_causal=True``; 2.11+ spells it ``window_size=(-1, 0)``. Both are
-bottom-right aligned when cu_seqlens_q != cu_seqlens_k.
+The forward is the public ``varlen_attn`` with ``return_aux=AuxRequest(lse=True)``. The backward is
+the op that ``varlen_attn`` registers as its own gradient, ``torch.ops.torch_attn._varlen_attn_backward``;
+its arguments grew over releases (2.10: no scale/window_size; 2.11: scale, window_size; later ones a
+backend index), so it is called by the names its schema declares. Without that op,
+``aten._flash_attention_backward`` is called directly. Both align causal bottom-right when
+cu_seqlens_q != cu_seqlens_k. The log-sum-exp is (Hq, Tq) inside FlashAttention; the interface's is
+(Tq, Hq).
 """
 
 from __future__ import annotations
@@ -11,9 +16,11 @@ import inspect
 
 import torch
 
+from hf_distca.kernels.common import PackedSeqs, device_offsets
+
 
 @functools.lru_cache(maxsize=1)
-def _varlen_attn():
+def _varlen_module():
     try:
         from torch.nn.attention import varlen
     except ImportError:
@@ -21,54 +28,121 @@ def _varlen_attn():
     return varlen
 
 
-def torch_varlen_available() -> bool:
-    return _varlen_attn() is not None and torch.cuda.is_available()
+def available() -> bool:
+    return _varlen_module() is not None and torch.cuda.is_available()
 
 
 @functools.lru_cache(maxsize=1)
 def _parameters() -> frozenset[str]:
-    return frozenset(inspect.signature(_varlen_attn().varlen_attn).parameters)
+    return frozenset(inspect.signature(_varlen_module().varlen_attn).parameters)
 
 
-def torch_varlen_attention(
+def _native_gqa() -> bool:
+    """torch >= 2.11 passes H_kv < H_q to FlashAttention-2 (checked on H200; 2.10 gets repeated K/V)."""
+    params = _parameters()
+    return "enable_gqa" in params or "window_size" in params
+
+
+@functools.lru_cache(maxsize=1)
+def _backward_op_arguments() -> frozenset[str] | None:
+    """Argument names of torch_attn::_varlen_attn_backward, or None when this torch has no such op."""
+    _varlen_module()  # importing the module registers the op
+    try:
+        op = torch.ops.torch_attn._varlen_attn_backward.default
+    except (AttributeError, RuntimeError):
+        return None
+    return frozenset(arg.name for arg in op._schema.arguments)
+
+
+def _device_offsets(seqs: PackedSeqs, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return device_offsets(seqs.cu_seqlens_q, device), device_offsets(seqs.cu_seqlens_k, device)
+
+
+def _kernel_kv(t: torch.Tensor, hq: int) -> torch.Tensor:
+    """K or V as the kernel takes it: as is with native GQA, else repeated to Hq heads (Tk, Hq, D)."""
+    if t.shape[1] == hq or _native_gqa():
+        return t
+    return t.repeat_interleave(hq // t.shape[1], dim=1)
+
+
+def forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: PackedSeqs, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    varlen = _varlen_module()
+    params = _parameters()
+    kwargs = {"scale": scale, "return_aux": varlen.AuxRequest(lse=True)}
+    if "window_size" in params:
+        kwargs["window_size"] = (-1, 0)  # causal
+    else:
+        kwargs["is_causal"] = True
+    if "enable_gqa" in params and k.shape[1] != q.shape[1]:
+        kwargs["enable_gqa"] = True
+    cu_q, cu_k = _device_offsets(seqs, q.device)
+    hq = q.shape[1]
+    out, lse = varlen.varlen_attn(
+        q, _kernel_kv(k, hq), _kernel_kv(v, hq), cu_q, cu_k, seqs.max_seqlen_q, seqs.max_seqlen_k, **kwargs
+    )
+    if lse.shape == (hq, q.shape[0]):  # FlashAttention's layout (Hq, Tq)
+        lse = lse.transpose(0, 1)
+    return out, lse.float().contiguous()  # (Tq, Hq)
+
+
+def backward(
+    dout: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    *,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    seqs: PackedSeqs,
     scale: float,
-    causal: bool = True,
-    return_lse: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """See :func:`hf_distca.kernels.varlen_attention`."""
-    varlen = _varlen_attn()
-    params = _parameters()
-    kwargs = {"scale": scale}
-    if "window_size" in params:
-        kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    cu_q, cu_k = _device_offsets(seqs, q.device)
+    hq, hkv = q.shape[1], k.shape[1]
+    lse_kernel = lse.float().transpose(0, 1).contiguous()  # (Hq, Tq)
+    rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: never read
+    kk, vv = _kernel_kv(k, hq), _kernel_kv(v, hq)
+    names = _backward_op_arguments()
+    if names is not None:
+        wanted = {
+            "grad_out": dout.contiguous(),
+            "query": q,
+            "key": kk,
+            "value": vv,
+            "out": out,
+            "lse": lse_kernel,
+            "cu_seq_q": cu_q,
+            "cu_seq_k": cu_k,
+            "max_q": seqs.max_seqlen_q,
+            "max_k": seqs.max_seqlen_k,
+            "is_causal": True,
+            "rng_state": rng_state,
+            "scale": scale,
+            "window_size": [-1, 0],
+        }
+        dq, dk, dv = torch.ops.torch_attn._varlen_attn_backward(
+            **{name: value for name, value in wanted.items() if name in names}
+        )
     else:
-        kwargs["is_causal"] = causal
-    if k.shape[1] != q.shape[1]:
-        if "enable_gqa" in params:
-            kwargs["enable_gqa"] = True
-        elif "window_size" not in params:  # torch 2.10 (unverified there): keep the copy
-            groups = q.shape[1] // k.shape[1]
-            k = k.repeat_interleave(groups, dim=1)  # (Tk, Hq, D)
-            v = v.repeat_interleave(groups, dim=1)  # (Tk, Hq, D)
-        # torch 2.11: FlashAttention-2 inside takes H_kv < H_q natively (checked on H200; the copy
-        # cost up to 1.6x at 512-token documents)
-    if return_lse:
-        kwargs["return_aux"] = varlen.AuxRequest(lse=True)
-    cu_q = cu_seqlens_q.to(device=q.device, dtype=torch.int32)
-    cu_k = cu_seqlens_k.to(device=q.device, dtype=torch.int32)
-    result = varlen.varlen_attn(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, **kwargs)
-    if return_lse:
-        out, lse = result
-        lse = lse.float()
-        if lse.shape[0] != q.shape[0]:  # some releases return (Hq, Tq)
-            lse = lse.transpose(0, 1)
-        return out, lse.contiguous()
-    return result
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            dout.contiguous(),
+            q,
+            kk,
+            vv,
+            out,
+            lse_kernel,
+            cu_q,
+            cu_k,
+            seqs.max_seqlen_q,
+            seqs.max_seqlen_k,
+            0.0,
+            True,
+            rng_state,
+            torch.empty(0, device=q.device),
+            scale=scale,
+        )
+    if dk.shape[1] != hkv:  # repeated K/V: sum each KV head's query group
+        groups = hq // hkv
+        dk = dk.view(dk.shape[0], hkv, groups, dk.shape[2]).sum(2)  # (Tk, Hkv, D)
+        dv = dv.view(dv.shape[0], hkv, groups, dv.shape[2]).sum(2)  # (Tk, Hkv, D)
+    return dq, dk, dv
