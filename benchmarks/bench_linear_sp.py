@@ -5,7 +5,8 @@ into ``--out``:
 
 1. check: flash-linear-attention's kernels (local part) and the distributed path (All-Scan) against the
    float64 per-token reference on the uncut documents, outputs and gradients, for a per-head constant
-   decay (lightning), a per key-dim decay (GLA) and the gated delta rule (dense transition);
+   decay (lightning), a per key-dim decay (GLA), the gated delta rule and Kimi's delta rule (dense
+   transitions);
 2. p2p: one-way time of a grouped isend/irecv between ranks 0 and 1 at 1 KiB-64 MiB, and the fitted
    latency / bandwidth (the simulator's input);
 3. scan: the state scan alone, forward and backward, All-Scan (2-16 blocks) vs serial hand-off (LASP-1)
@@ -124,8 +125,9 @@ def random_inputs(kind: str, total: int, heads: int, dk: int, dv: int, seed: int
         g = -(0.5 ** torch.arange(1, heads + 1, dtype=torch.float64))  # lightning-like slopes
     elif kind == "vector":
         g = -0.1 * torch.rand(total, heads, dk, generator=gen, dtype=torch.float64)
-    elif kind == "delta":
-        g = -0.1 * torch.rand(total, heads, generator=gen, dtype=torch.float64)
+    elif kind in ("delta", "kda"):
+        shape = (total, heads) if kind == "delta" else (total, heads, dk)
+        g = -0.1 * torch.rand(*shape, generator=gen, dtype=torch.float64)
         beta = torch.rand(total, heads, generator=gen, dtype=torch.float64)
     out = dict(q=q, k=k, v=v, g=g, beta=beta, w=w)
     return {
@@ -148,7 +150,7 @@ def section_check(ctx) -> tuple[str, dict]:
     rows, lengths = rows_and_lengths(layout, rank)
     dtype = torch.float32
     results, lines = {}, []
-    for kind in ("const", "vector", "delta"):
+    for kind in ("const", "vector", "delta", "kda"):
         inputs = random_inputs(kind, sum(lengths), heads, dk, dk, 1, "cpu", torch.float64)
         # float64 per-token reference on the uncut documents (CPU), outputs and gradients
         leaves = {

@@ -411,3 +411,41 @@ def test_all_scan_bad_input_raises():
         LinearSPConfig(num_blocks=0)
     with pytest.raises(ValueError, match="scan must be one of"):
         LinearSPConfig(scan="ring")
+
+
+def test_all_scan_minimax_wrapper_keeps_weights_and_restarts_per_document():
+    """One process, no layout: the replaced lightning layers compute Transformers' own MiniMax on each
+    document of a packed row (which the original module would run as one sequence)."""
+    from hf_distca.linear.layers import MiniMaxLightningAttentionSP, enable_linear_attention_sp
+
+    ref = tiny_minimax("sdpa")
+    model = tiny_minimax("distca")
+    assert enable_linear_attention_sp(model) == 2
+    assert isinstance(model.model.layers[0].self_attn, MiniMaxLightningAttentionSP)
+    assert list(model.state_dict()) == list(ref.state_dict())  # checkpoints load and save unchanged
+    docs = minimax_documents([37, 5, 20], seed=1)
+    ids = torch.tensor([t for d in docs for t in d])[None]
+    position_ids = torch.cat([torch.arange(len(d)) for d in docs])[None]
+    packed = model(input_ids=ids, position_ids=position_ids).logits
+    per_doc = torch.cat([ref(input_ids=torch.tensor(d)[None]).logits for d in docs], dim=1)
+    rtol, atol = TOL["logits"]
+    torch.testing.assert_close(packed, per_doc, rtol=rtol, atol=atol)
+    # the original module runs the packed row as one sequence: different from per-document (test can fail)
+    whole = ref(input_ids=ids, position_ids=position_ids).logits
+    assert (whole - per_doc).abs().max() > 1e-2
+    with pytest.raises(ValueError, match="use_cache=False"):
+        model(input_ids=ids, position_ids=position_ids, use_cache=True)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    llama = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=16,
+            hidden_size=8,
+            intermediate_size=8,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        )
+    )
+    with pytest.raises(ValueError, match="no supported linear-attention module"):
+        enable_linear_attention_sp(llama)

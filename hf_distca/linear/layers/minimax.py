@@ -21,8 +21,7 @@ from hf_distca.packing import packed_document_lengths
 
 __all__ = ["MiniMaxLightningAttentionSP"]
 
-_SHARED_MODULES = ("qkv_proj", "out_proj", "output_gate", "norm", "act_fn")
-_SHARED_BUFFERS = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")
+_USED = ("qkv_proj", "out_proj", "output_gate", "norm", "act_fn", "slope_rate")
 
 
 class MiniMaxLightningAttentionSP(nn.Module):
@@ -30,10 +29,18 @@ class MiniMaxLightningAttentionSP(nn.Module):
 
     def __init__(self, original: nn.Module, *, group=None, config: LinearSPConfig | None = None):
         super().__init__()
-        for name in _SHARED_MODULES:
-            setattr(self, name, getattr(original, name))
-        for name in _SHARED_BUFFERS:
-            self.register_buffer(name, getattr(original, name))
+        # the original's submodules and buffers, same objects, same names, same order (same state_dict)
+        for name, child in original.named_children():
+            self.add_module(name, child)
+        saved = {key for key in original.state_dict(keep_vars=True) if "." not in key}  # persistent buffers
+        for name, buffer in original.named_buffers(recurse=False):
+            self.register_buffer(name, buffer, persistent=name in saved)
+        missing = [n for n in _USED if not hasattr(self, n)]
+        if missing:
+            raise ValueError(
+                f"{type(original).__name__} lacks {missing}; this Transformers version's MiniMax lightning "
+                "attention is not the one MiniMaxLightningAttentionSP was written for"
+            )
         self.layer_idx = original.layer_idx
         self.head_dim = original.head_dim
         self.num_attention_heads = original.num_attention_heads

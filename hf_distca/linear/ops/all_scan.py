@@ -31,11 +31,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hf_distca.linear.config import SCAN_METHODS
 from hf_distca.linear.ops.scan_plan import Edge, ScanPlan
 
 __all__ = ["SCAN_METHODS", "apply_transition", "scan_backward", "scan_forward", "scan_states"]
-
-SCAN_METHODS = ("all_scan", "serial", "all_gather")
 
 
 def apply_transition(kind: str, a: torch.Tensor, x: torch.Tensor, transpose: bool = False) -> torch.Tensor:
