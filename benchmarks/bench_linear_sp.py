@@ -248,9 +248,17 @@ def section_p2p(ctx) -> tuple[str, dict]:
 
 
 def _scan_layouts(world: int) -> dict:
-    chain = [[(0, r * 100, 100)] for r in range(world)]  # contiguous chunks: rank p -> p + 1
+    """One document per layout. chunks: rank p -> p + 1; zigzag: DistCA's layout; alternating xN: N pieces
+    dealt round-robin over the ranks, a chain of N - 1 real hops (longer chains than the GPUs at hand)."""
+    chain = [[(0, r * 100, 100)] for r in range(world)]
     zigzag = [list(p) for p in layout_pieces([100 * world], world_size=world, tokens_per_rank=100)]
-    return {"chunks": chain, "zigzag": zigzag}
+    layouts = {"chunks": chain, "zigzag": zigzag}
+    for pieces in (8, 16):
+        dealt: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]
+        for i in range(pieces):
+            dealt[i % world].append((0, i * 100, 100))
+        layouts[f"alternating x{pieces}"] = dealt
+    return layouts
 
 
 def section_scan(ctx) -> tuple[str, dict]:
@@ -312,9 +320,10 @@ def section_scan(ctx) -> tuple[str, dict]:
         for m, b in methods
     ]
     md = (
-        f"Scan of one document cut over {world} ranks (chunks: rank p -> p + 1, 1 edge per pair; zigzag: DistCA's "
-        f"layout, rank 0 -> 1 -> ... -> 0, {2 * (world - 1)} edges), state heads x {dim} x {dim}; cells: forward / "
-        "backward ms (median, max over ranks).\n\n" + table(header, rows)
+        f"Scan of one document cut over {world} ranks (chunks: rank p -> p + 1, {world - 1} edge(s); zigzag: "
+        f"DistCA's layout, rank 0 -> 1 -> ... -> 0, {2 * (world - 1)} edges; alternating xN: N pieces dealt "
+        "round-robin over the ranks, N - 1 hops, each a real transfer), state heads x "
+        f"{dim} x {dim}; cells: forward / backward ms (median, max over ranks).\n\n" + table(header, rows)
     )
     return md, {"rows": data}
 
@@ -433,10 +442,11 @@ def section_model(ctx) -> tuple[str, dict]:
     )
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(
-        config, attn_implementation="distca", experts_implementation="eager"
-    )
-    model = model.to(device=device, dtype=dtype)
+    with device:  # initialise on the GPU directly
+        model = AutoModelForCausalLM.from_config(
+            config, attn_implementation="distca", experts_implementation="eager"
+        )
+    model = model.to(dtype=dtype)
     hf_distca.enable_distca(model, group=None)
     enable_linear_attention_sp(model, group=None, config=LinearSPConfig(backend=ctx["backend"]))
     gen = torch.Generator().manual_seed(3)
@@ -461,6 +471,8 @@ def section_model(ctx) -> tuple[str, dict]:
             out.loss.backward()
             return out.loss
 
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         loss = float(step().detach())
         ms = timed_ms(step, device, 2 if smoke else 5, 1)
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
