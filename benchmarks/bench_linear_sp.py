@@ -32,6 +32,7 @@ import platform
 import statistics
 import sys
 import time
+import traceback
 from functools import partial
 
 import torch
@@ -633,7 +634,11 @@ def main(argv=None) -> None:
     )
     for name in sections:
         start = time.perf_counter()
-        md, res = runners[name](ctx)
+        try:
+            md, res = runners[name](ctx)
+        except Exception as exc:  # a section that fails on every rank alike: report it, run the next one
+            traceback.print_exc()
+            md, res = f"FAILED on rank {rank}: `{type(exc).__name__}: {exc}`", {"error": repr(exc)}
         took = time.perf_counter() - start
         results[name] = res
         report.append(f"## {name}\n\n{md}\n\n({took:.1f} s)\n")
