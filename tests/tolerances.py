@@ -21,6 +21,10 @@ TOL = {
     # float32 vs the float64 oracle on the same float32 inputs: ~1e-5 relative, absolute floor 1e-5 for
     # entries near zero (gradients of O(1) tensors); also float32 kernels vs the naive oracle
     "fp32": (1e-5, 1e-5),
+    # ---- linear attention (hf_distca.linear; O(1) inputs, unit-norm keys for the delta rule, <= 200 tokens)
+    # float64 scan across pieces vs the per-token float64 oracle on uncut documents: the piece transition
+    # is exp(sum of log decays) instead of a product of exps, and states are summed in another order
+    "linear_fp64": (1e-10, 1e-10),
     # ---- Transformers models (tiny fp32 models, initializer_range 0.2, documents <= 300 tokens)
     # distca vs SDPA per document, logits: same math, different kernels and summation order
     "logits": (1e-5, 1e-5),

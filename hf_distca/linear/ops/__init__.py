@@ -1,0 +1,28 @@
+"""Operators of sequence-parallel linear attention: recurrences, local kernels, the cross-rank state scan."""
+
+from hf_distca.linear.ops.all_scan import SCAN_METHODS, scan_backward, scan_forward, scan_states
+from hf_distca.linear.ops.fla_backend import fla_available, recurrence_fla
+from hf_distca.linear.ops.local import piece_transitions, recurrence, resolve_backend, state_contribution
+from hf_distca.linear.ops.recurrence import recurrence_reference, transition_kind
+from hf_distca.linear.ops.scan_plan import Edge, ScanPlan, build_scan_plan, chains_of
+from hf_distca.linear.ops.sequence_parallel import linear_attention
+
+__all__ = [
+    "SCAN_METHODS",
+    "Edge",
+    "ScanPlan",
+    "build_scan_plan",
+    "chains_of",
+    "fla_available",
+    "linear_attention",
+    "piece_transitions",
+    "recurrence",
+    "recurrence_fla",
+    "recurrence_reference",
+    "resolve_backend",
+    "scan_backward",
+    "scan_forward",
+    "scan_states",
+    "state_contribution",
+    "transition_kind",
+]

@@ -1,0 +1,164 @@
+"""Per-rank parts of sequence-parallel linear attention: the recurrence over local pieces, the transition of
+a whole piece, and the contribution of a state that a piece starts from.
+
+Everything here is differentiable and local (no communication). With ``S_loc`` the final state of a piece
+run from zero and ``A`` its transition, the state leaving the piece when it starts from ``S_in`` is
+``A S_in + S_loc``, and its outputs are ``o_loc + o(S_in)``, where ``o(S_in)`` is the output of the same
+recurrence run with zero values from ``S_in`` (both recurrences are linear in (state, values)).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from hf_distca.linear.ops.fla_backend import fla_available, recurrence_fla
+from hf_distca.linear.ops.recurrence import recurrence_reference
+
+__all__ = ["piece_transitions", "recurrence", "resolve_backend", "state_contribution"]
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """The concrete backend for ``backend`` ('auto', 'reference' or 'fla') on ``device``."""
+    if backend == "auto":
+        return "fla" if device.type == "cuda" and fla_available() else "reference"
+    if backend not in ("reference", "fla"):
+        raise ValueError(f"linear-attention backend must be 'auto', 'reference' or 'fla', got {backend!r}")
+    return backend
+
+
+def recurrence(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    cu_seqlens: Sequence[int],
+    log_decay: torch.Tensor | None = None,
+    beta: torch.Tensor | None = None,
+    scale: float = 1.0,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The recurrence over packed sequences with the chosen backend (see ``recurrence_reference``)."""
+    fn = recurrence_fla if resolve_backend(backend, q.device) == "fla" else recurrence_reference
+    return fn(
+        q,
+        k,
+        v,
+        cu_seqlens=cu_seqlens,
+        log_decay=log_decay,
+        beta=beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+    )
+
+
+def _gather_runs(x: torch.Tensor | None, runs: Sequence[tuple[int, int]]) -> torch.Tensor | None:
+    """Rows [start, start + length) of x for every run, concatenated: (sum of lengths, ...)."""
+    if x is None:
+        return None
+    return torch.cat([x[s : s + n] for s, n in runs]) if runs else x[:0]
+
+
+def _cu(runs: Sequence[tuple[int, int]]) -> list[int]:
+    cu = [0]
+    for _, n in runs:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+def piece_transitions(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    runs: Sequence[tuple[int, int]],
+    *,
+    log_decay: torch.Tensor | None,
+    beta: torch.Tensor | None,
+    state_dtype: torch.dtype,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Transition of each run (local row start, length): the map from the state entering the run to the
+    state leaving it, without the run's own key/values.
+
+    Returns (N, H) per-head factors ('scalar'), (N, H, K) per key-dim factors ('vector') or (N, H, K, K)
+    matrices ('dense', the delta rule; computed by running the recurrence with zero values from the
+    identity, column by column).
+    """
+    t, h, kd = k.shape
+    if beta is None:
+        if log_decay is None:
+            return k.new_ones((len(runs), h), dtype=state_dtype)
+        if log_decay.dim() == 1:
+            lengths = torch.tensor([n for _, n in runs], dtype=log_decay.dtype, device=log_decay.device)
+            return (lengths[:, None] * log_decay[None, :]).exp().to(state_dtype)  # (N, H)
+        sums = [log_decay[s : s + n].sum(0) for s, n in runs]  # (H,) or (H, K) each
+        if not sums:
+            return log_decay.new_zeros((0, *log_decay.shape[1:]), dtype=state_dtype)
+        return torch.stack(sums).exp().to(state_dtype)  # (N, H[, K])
+    eye = torch.eye(kd, dtype=state_dtype, device=k.device).expand(len(runs), h, kd, kd)  # (N, H, K, K)
+    rows_q, rows_k = _gather_runs(q, runs), _gather_runs(k, runs)
+    zeros = rows_k.new_zeros((rows_k.shape[0], h, kd))  # (T_runs, H, K): values 0, width K
+    _, final = recurrence(
+        rows_q,
+        rows_k,
+        zeros,
+        cu_seqlens=_cu(runs),
+        log_decay=log_decay if log_decay is None or log_decay.dim() == 1 else _gather_runs(log_decay, runs),
+        beta=_gather_runs(beta, runs),
+        initial_state=eye,
+        output_final_state=True,
+        backend=backend,
+    )
+    return final.to(state_dtype)  # (N, H, K, K)
+
+
+def state_contribution(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    runs: Sequence[tuple[int, int]],
+    states: torch.Tensor,
+    *,
+    log_decay: torch.Tensor | None,
+    beta: torch.Tensor | None,
+    scale: float,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Output of each run (local row start, length) due only to the state it starts from.
+
+    states: (N, H, K, V). Returns (sum of lengths, H, V) rows in run order. Diagonal decays: a closed
+    form, scale * (q_t * exp(cumulative log decay)) S; delta rule: the recurrence with zero values.
+    """
+    h, vd = states.shape[1], states.shape[-1]
+    if not runs:
+        return q.new_zeros((0, h, vd))
+    if beta is None:
+        parts = []
+        for (s, n), state in zip(runs, states):
+            q_run = q[s : s + n]  # (n, H, K)
+            if log_decay is not None:
+                if log_decay.dim() == 1:
+                    steps = torch.arange(1, n + 1, dtype=log_decay.dtype, device=log_decay.device)
+                    cum = steps[:, None] * log_decay[None, :]  # (n, H)
+                else:
+                    cum = log_decay[s : s + n].cumsum(0)  # (n, H) or (n, H, K)
+                decay = cum.exp()
+                q_run = q_run * (decay[..., None] if decay.dim() == 2 else decay)
+            parts.append(torch.einsum("thk,hkv->thv", q_run.to(state.dtype), state) * scale)  # (n, H, V)
+        return torch.cat(parts).to(q.dtype)
+    rows_q, rows_k = _gather_runs(q, runs), _gather_runs(k, runs)
+    zeros = rows_q.new_zeros((rows_q.shape[0], h, vd))  # values 0: only the initial state contributes
+    out, _ = recurrence(
+        rows_q,
+        rows_k,
+        zeros,
+        cu_seqlens=_cu(runs),
+        log_decay=log_decay if log_decay is None or log_decay.dim() == 1 else _gather_runs(log_decay, runs),
+        beta=_gather_runs(beta, runs),
+        scale=scale,
+        initial_state=states,
+        backend=backend,
+    )
+    return out

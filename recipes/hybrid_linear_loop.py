@@ -1,0 +1,161 @@
+"""Train a hybrid model (MiniMax: lightning linear attention + softmax attention) with documents cut across ranks.
+
+    torchrun --standalone --nproc-per-node 2 recipes/hybrid_linear_loop.py --tokens-per-rank 512
+
+A plain Accelerate loop. Per step every rank builds its share of the same global batch (``DistCABatches``:
+documents longer than a rank's share are cut over ranks); the softmax layers run through
+attn_implementation="distca" (``enable_distca``) and the lightning layers through the cross-rank state
+scan (``enable_linear_attention_sp``: All-Scan by default). The loss is token-weighted over the whole
+global batch, so the per-step losses equal a single-process run with ``--tokens-per-rank`` x world size.
+The model is MiniMax built from its config with random weights (``--size tiny`` for CPU, ``small`` for
+a GPU); ``--model`` loads a local MiniMax checkpoint instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from transformers import AutoModelForCausalLM, MiniMaxConfig
+
+import hf_distca
+from hf_distca.data import DistCABatches, DistCADataLoader, generate_documents
+from hf_distca.linear import LinearSPConfig
+from hf_distca.linear.layers import enable_linear_attention_sp
+from hf_distca.linear.ops import chains_of
+
+SIZES = {
+    # random-init MiniMax shapes: 3 lightning layers per softmax layer (MiniMax-01 uses 7 per 1)
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=2,
+        num_experts_per_tok=2,
+    ),
+    "small": dict(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_local_experts=1,
+        num_experts_per_tok=1,
+    ),
+}
+
+
+def build_model(args, vocab_size: int) -> torch.nn.Module:
+    if args.model is not None:
+        return AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="distca")
+    shape = SIZES[args.size]
+    layers = shape["num_hidden_layers"]
+    config = MiniMaxConfig(
+        vocab_size=vocab_size,
+        layer_types=["full_attention" if i % 4 == 2 else "linear_attention" for i in range(layers)],
+        max_position_embeddings=65536,
+        block_size=64,
+        use_cache=False,
+        **shape,
+    )
+    torch.manual_seed(args.seed)
+    return AutoModelForCausalLM.from_config(
+        config, attn_implementation="distca", experts_implementation="eager"
+    )
+
+
+def main(argv=None) -> list[float]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="local MiniMax checkpoint (default: random init of --size)")
+    p.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    p.add_argument("--tokens-per-rank", type=int, default=512)
+    p.add_argument("--max-steps", type=int, default=5)
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--num-documents", type=int, default=100)
+    p.add_argument("--mean-doc-length", type=int, default=300)
+    p.add_argument("--max-doc-length", type=int, default=1000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--learning-rate", type=float, default=0.5)
+    p.add_argument("--scan", choices=("all_scan", "serial", "all_gather"), default="all_scan")
+    p.add_argument("--num-blocks", type=int, default=8, help="All-Scan pipeline blocks along the value dim")
+    p.add_argument("--backend", choices=("auto", "reference", "fla"), default="auto")
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--losses-file", default=None, help="write the per-step losses here (JSON list, rank 0)")
+    args = p.parse_args(argv)
+
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=args.grad_accum)
+    world, rank = accelerator.num_processes, accelerator.process_index
+    vocab = 256
+    documents = generate_documents(
+        args.num_documents,
+        vocab_size=vocab,
+        seed=args.seed,
+        mean_length=args.mean_doc_length,
+        max_length=args.max_doc_length,
+    )
+    batches = DistCABatches(
+        documents,
+        rank=rank,
+        world_size=world,
+        tokens_per_rank=args.tokens_per_rank,
+        grad_accum=args.grad_accum,
+        seed=args.seed,
+        max_steps=args.max_steps,
+    )
+    model = build_model(args, vocab)
+    if args.bf16:
+        model = model.to(torch.bfloat16)
+    group = dist.group.WORLD if world > 1 else None
+    hf_distca.enable_distca(model, group=group, config=hf_distca.DistCAConfig(shard_tokens=64))
+    replaced = enable_linear_attention_sp(
+        model,
+        group=group,
+        config=LinearSPConfig(backend=args.backend, scan=args.scan, num_blocks=args.num_blocks),
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.learning_rate)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    if accelerator.is_main_process:
+        print(f"{replaced} lightning-attention layers on the {args.scan} scan, {world} rank(s)", flush=True)
+
+    losses, cut_documents = [], 0
+    micro = iter(DistCADataLoader(batches))  # already one share per rank: not sharded by Accelerate
+    for _ in range(len(batches.steps)):
+        step_batches = [next(micro) for _ in range(args.grad_accum)]
+        local = sum(int(b["shift_labels"].ne(-100).sum()) for b in step_batches)
+        total = accelerator.reduce(torch.tensor(local, device=accelerator.device), reduction="sum").item()
+        step_loss = torch.zeros((), device=accelerator.device)
+        for batch in step_batches:
+            cut_documents += len(chains_of(batch["distca_layout"].all_pieces))
+            batch = {k: v.to(accelerator.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+            with accelerator.accumulate(model):
+                out = model(**batch, num_items_in_batch=total)
+                # DDP averages gradients over ranks; scale so the sum over ranks is the global mean
+                accelerator.backward(out.loss * world)
+                step_loss += out.loss.detach().float()
+                optimizer.step()
+                optimizer.zero_grad()
+        losses.append(accelerator.reduce(step_loss, reduction="sum").item())
+        if accelerator.is_main_process:
+            print(f"step {len(losses)}: loss {losses[-1]:.6f}", flush=True)
+    if accelerator.is_main_process:
+        print(f"documents cut across ranks: {cut_documents}", flush=True)
+    if accelerator.is_main_process and args.losses_file:
+        os.makedirs(os.path.dirname(os.path.abspath(args.losses_file)), exist_ok=True)
+        with open(args.losses_file, "w") as f:
+            json.dump(losses, f)
+    accelerator.end_training()
+    return losses
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)

@@ -1,0 +1,39 @@
+"""recipes/hybrid_linear_loop.py under torchrun: MiniMax (lightning + softmax attention) trained on 2 CPU
+processes with documents cut across them equals 1 process, step by step (fp32, SGD, 2 micro-batches)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from tolerances import TOL
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = os.path.join(ROOT, "recipes", "hybrid_linear_loop.py")
+
+
+@pytest.mark.slow
+def test_all_scan_hybrid_recipe_exact_across_world_sizes(tmp_path):
+    losses, outputs = {}, {}
+    for world in (1, 2):
+        out = tmp_path / f"losses{world}.json"
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+            RECIPE, "--tokens-per-rank", str(1024 // world), "--max-steps", "3", "--grad-accum", "2",
+            "--backend", "reference", "--losses-file", str(out),
+        ]  # fmt: skip
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+        losses[world] = json.loads(out.read_text())
+        outputs[world] = proc.stdout
+    assert len(losses[1]) == 3
+    for got, want in zip(losses[2], losses[1], strict=True):
+        assert abs(got - want) <= TOL["train_loss"][0] * abs(want), (losses[2], losses[1])
+    assert losses[1][-1] < losses[1][0]  # it trains
+    assert "3 lightning-attention layers on the all_scan scan, 2 rank(s)" in outputs[2]
+    cut = [line for line in outputs[2].splitlines() if line.startswith("documents cut across ranks:")]
+    assert cut and int(cut[0].split(":")[1]) > 0, outputs[2]  # the scan really carried states across ranks
