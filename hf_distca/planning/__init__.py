@@ -1,7 +1,7 @@
 """Planning: pure Python/NumPy, no torch.distributed, no CUDA."""
 
 from hf_distca.planning.cost import CausalFlopsCost, MeasuredCost, causal_pairs
-from hf_distca.planning.layout import RankLayout, build_rank_layout
+from hf_distca.planning.dispatch import DispatchIndex, build_dispatch_index
 from hf_distca.planning.pieces import DocIndex, Piece, PieceError
 from hf_distca.planning.planner import CATask, CorePlan, plan_core_attention
 
@@ -9,12 +9,12 @@ __all__ = [
     "CATask",
     "CausalFlopsCost",
     "CorePlan",
+    "DispatchIndex",
     "DocIndex",
     "MeasuredCost",
     "Piece",
     "PieceError",
-    "RankLayout",
-    "build_rank_layout",
+    "build_dispatch_index",
     "causal_pairs",
     "plan_core_attention",
 ]
