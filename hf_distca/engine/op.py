@@ -12,16 +12,21 @@ rank serves, both ~T after balancing; Hq/Hkv heads, D head_dim, b bytes per elem
 
 - the owner's q, k, v and output (``save_for_backward``): T x (2 Hq + 2 Hkv) x D x b — what any
   attention implementation keeps; under activation checkpointing these are dropped and refilled by the
-  recompute (:mod:`hf_distca.checkpointing`);
+  recompute, except the output, which rematerialization-aware checkpointing keeps (T x Hq x D x b) so
+  that attention is not recomputed (:mod:`hf_distca.checkpointing`);
 - the server's log-sum-exp (an attribute, in its kernel row order): Tk x Hq x 4 bytes;
 - nothing else: the server frees the q/k/v rows it received once its forward kernel has run.
+Transient, within one stage: the server's pools (its rows plus the received ones) and their kernel-order
+copies (a KV prefix read by two tasks twice); in backward the same for q, out, dout, k, v, plus float32
+dk/dv accumulators for bf16/fp16 inputs.
 
 Bytes per layer sent by one rank, with Q = its query rows sent to other servers x Hq x D x b (outputs,
-output gradients and dq have the same size) and KV = its KV-prefix rows sent x Hkv x D x b (each of k,
-v): forward Q + 2 KV (dispatch) and Q' (return, Q' = rows it computed for others); backward 3 Q + 2 KV
-(q, out, dout, k, v re-sent) and Q' + 2 KV' (dq, dk, dv home). That is what plain activation
-recompute costs with an engine that kept the received rows until backward (forward twice, then dout
-out and gradients back), and less than plain recompute with this engine (which adds another forward).
+output gradients and dq have the same size), KV = its KV-prefix rows sent x Hkv x D x b (each of k and
+v), and Q', KV' the same for the rows it serves for other ranks: forward Q + 2 KV (dispatch) and Q'
+(return); backward 3 Q + 2 KV (q, out, dout, k, v re-sent) and Q' + 2 KV' (dq, dk, dv home). Summed
+over ranks (sum Q = sum Q', sum KV = sum KV') that is 6 Q + 6 KV per layer: what plain activation
+recompute cost with an engine that kept the received rows until backward, and one forward (Q + 2 KV +
+Q') less than plain recompute with this engine. Rematerialization-aware checkpointing adds nothing.
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ class EngineRunner:
         prep, group = self.prepared, self.group
         received = _wait(dispatch(prep, q, k, v, group))
         out_kernel, lse = compute(prep, q, k, v, received, scale=self.scale, backend=self.backend)
+        del received  # the server keeps nothing it received
         returned = _wait(return_outputs(prep, out_kernel, group))
         return gather_outputs(prep, out_kernel, returned), lse
 
@@ -83,6 +89,7 @@ class EngineRunner:
         dq_k, dk_k, dv_k = compute_backward(
             prep, q, k, v, out, dout, lse, received, scale=self.scale, backend=self.backend
         )
+        del received
         return gather_grads(prep, return_grads(prep, dq_k, dk_k, dv_k, group), k.dtype)
 
 

@@ -71,6 +71,17 @@ def _pools(
     return [torch.cat([t, *parts]) for t, parts in zip(local, per_stream, strict=True)]
 
 
+def _kernel_rows(
+    local: list[torch.Tensor],
+    received: torch.Tensor | None,
+    recv_counts: list[list[int]],
+    indices: list[torch.Tensor],
+) -> list[torch.Tensor]:
+    """Per stream, the kernel's rows (pool rows at ``indices``); the pools are freed on return."""
+    pools = _pools(local, received, recv_counts)
+    return [pool.index_select(0, index) for pool, index in zip(pools, indices, strict=True)]
+
+
 # ------------------------------------------------------------------------------------------- forward
 def dispatch(
     prep: PreparedAttention,
@@ -109,12 +120,9 @@ def compute(
     """This server's fused forward kernel over all its tasks: (out, lse) in kernel row order,
     (Tk, Hq, D) and (Tk, Hq) float32."""
     ix, dev = prep.index, prep.device_index(q.device)
-    q_pool, k_pool, v_pool = _pools(
-        [q, k, v], received, [ix.recv_q_counts, ix.recv_kv_counts, ix.recv_kv_counts]
-    )
-    q_kernel = q_pool.index_select(0, dev.kernel_q_index)  # (Tk, Hq, D)
-    k_kernel = k_pool.index_select(0, dev.kernel_kv_index)  # (Tkv, Hkv, D)
-    v_kernel = v_pool.index_select(0, dev.kernel_kv_index)  # (Tkv, Hkv, D)
+    rq, rkv, qi, kvi = ix.recv_q_counts, ix.recv_kv_counts, dev.kernel_q_index, dev.kernel_kv_index
+    # (Tk, Hq, D), (Tkv, Hkv, D), (Tkv, Hkv, D)
+    q_kernel, k_kernel, v_kernel = _kernel_rows([q, k, v], received, [rq, rkv, rkv], [qi, kvi, kvi])
     if q_kernel.shape[0]:
         metrics.record_forward_kernel()
     return attention_forward(
@@ -194,15 +202,17 @@ def compute_backward(
     """This server's backward kernel over all its tasks: dq (Tk, Hq, D), dk and dv (Tkv, Hkv, D) in
     kernel row order."""
     ix, dev = prep.index, prep.device_index(q.device)
-    rq, rkv = ix.recv_q_counts, ix.recv_kv_counts
-    q_pool, o_pool, do_pool, k_pool, v_pool = _pools([q, out, dout, k, v], received, [rq, rq, rq, rkv, rkv])
-    qi, kvi = dev.kernel_q_index, dev.kernel_kv_index
+    rq, rkv, qi, kvi = ix.recv_q_counts, ix.recv_kv_counts, dev.kernel_q_index, dev.kernel_kv_index
+    # (Tk, Hq, D) x 3, (Tkv, Hkv, D) x 2
+    q_k, o_k, do_k, k_k, v_k = _kernel_rows(
+        [q, out, dout, k, v], received, [rq, rq, rq, rkv, rkv], [qi, qi, qi, kvi, kvi]
+    )
     return attention_backward(
-        do_pool.index_select(0, qi),  # (Tk, Hq, D)
-        q_pool.index_select(0, qi),
-        k_pool.index_select(0, kvi),  # (Tkv, Hkv, D)
-        v_pool.index_select(0, kvi),
-        o_pool.index_select(0, qi),
+        do_k,
+        q_k,
+        k_k,
+        v_k,
+        o_k,
         lse,
         prep.cu_seqlens_q,
         prep.cu_seqlens_k,
