@@ -151,6 +151,7 @@ def describe_inputs(
 
 # ------------------------------------------------------------------------------------ the vector
 _HEAD = ["status", "rows", "piece_rows", "dtype", "q_heads", "kv_heads", "head_dim", "pieces", "all_pieces"]
+_AT = {name: i for i, name in enumerate(_HEAD)}  # position of each entry in the vector
 _TAG_NONE, _TAG_INT, _TAG_FLOAT, _TAG_STR, _TAG_OTHER = range(5)
 
 
@@ -235,12 +236,12 @@ def raise_on_disagreement(
     """Raise on every rank when any rank failed validation or (``compare_inputs``) the ranks' inputs
     differ; else return. ``vectors``: every rank's :func:`check_vector`, identical on all ranks, so all
     ranks decide alike; ``compare_all_pieces``: whether the vectors carry an all_pieces digest."""
-    failed = [r for r, vec in enumerate(vectors) if vec[0] != OK]
+    failed = [r for r, vec in enumerate(vectors) if vec[_AT["status"]] != OK]
     if failed:
         info.raise_if_failed()  # this rank's own, detailed error
         reasons = []
         for r in failed:
-            status, rows, piece_rows = vectors[r][0], vectors[r][1], vectors[r][2]
+            status, rows, piece_rows = (vectors[r][_AT[n]] for n in ("status", "rows", "piece_rows"))
             text = _STATUS_TEXT.get(status, f"error code {status}")
             if status == BAD_PIECES and rows >= 0 and piece_rows >= 0:
                 text += f" (its pieces cover {piece_rows} tokens but its q holds {rows})"
@@ -252,20 +253,20 @@ def raise_on_disagreement(
     if not compare_inputs:
         return
     problems = []
-    for i, name in enumerate(_HEAD[3:7], start=3):
-        column = [vec[i] for vec in vectors]
+    for name in ("dtype", "q_heads", "kv_heads", "head_dim"):
+        column = [vec[_AT[name]] for vec in vectors]
         if len(set(column)) > 1:
             shown = [_DTYPES[c] if name == "dtype" and 0 <= c < len(_DTYPES) else c for c in column]
             problems.append(f"{name}: {_by_value([str(s) for s in shown])}")
-    if compare_all_pieces and len({vec[8] for vec in vectors}) > 1:
-        wrong = [r for r, vec in enumerate(vectors) if info.entry_digests[r] != vec[7]]
+    if compare_all_pieces and len({vec[_AT["all_pieces"]] for vec in vectors}) > 1:
+        wrong = [r for r, vec in enumerate(vectors) if info.entry_digests[r] != vec[_AT["pieces"]]]
         here = (
             f"this rank's (rank {info.rank}) all_pieces entries for rank(s) {wrong} differ from the pieces "
             "those ranks passed"
             if wrong
             else f"this rank's (rank {info.rank}) all_pieces agrees with every rank's own pieces"
         )
-        groups = _by_value([f"digest {vec[8] & 0xFFFFFFFF:08x}" for vec in vectors])
+        groups = _by_value([f"digest {vec[_AT['all_pieces']] & 0xFFFFFFFF:08x}" for vec in vectors])
         problems.append(f"all_pieces differs between ranks ({groups}); {here}")
     known = {digest64(b): repr(b) for b in KERNEL_BACKENDS}  # names for string digests
     offset = len(_HEAD)
