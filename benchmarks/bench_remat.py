@@ -350,7 +350,7 @@ def report(results: dict, args, world: int, config) -> str:
         "",
         f"torch {torch.__version__}, {DTYPE}, {args.tokens_per_rank} tokens per rank, hidden {config.hidden_size}, "
         f"{config.num_attention_heads}/{config.num_key_value_heads} heads, vocabulary {config.vocab_size}; "
-        f"DDP; SGD; loss in chunks of {args.loss_chunk} tokens; median of {args.steps} steps after "
+        f"{'DDP' if world > 1 else 'one process'}; SGD; loss in chunks of {args.loss_chunk} tokens; median of {args.steps} steps after "
         f"{args.warmup} warm-up (same micro-batches in every mode). Peak: max over ranks of "
         "torch.cuda.max_memory_allocated.",
         "",
