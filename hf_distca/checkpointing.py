@@ -50,7 +50,7 @@ class SavedAttention:
     out: torch.Tensor
     """The output (detached: the frame never holds the autograd graph)."""
     lse: torch.Tensor
-    """The log-sum-exp the backward kernel needs (in the runner's kernel layout)."""
+    """The log-sum-exp the backward kernel needs (in the runner's kernel row order)."""
     runner: Any
     """What the operator's backward needs to run (the engine's prepared plan, or the local offsets)."""
 

@@ -14,7 +14,7 @@ A server's pools are ``cat([its own rows, rows received from rank 0, from rank 1
 the kernel reads them through the plan's kernel indices (a KV prefix shared by two tasks is read twice,
 so its gradients are summed with index_add).
 
-What each stage keeps: nothing. Pools and kernel-layout tensors are temporaries freed when the stage
+What each stage keeps: nothing. Pools and their kernel-order copies are temporaries freed when the stage
 returns; the operator keeps, per layer, the owner's q, k, v and output and the server's log-sum-exp.
 """
 
