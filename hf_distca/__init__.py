@@ -5,8 +5,9 @@ __version__ = "0.1.0"
 from hf_distca import metrics
 from hf_distca.attention import distca_attention_forward, enable_distca
 from hf_distca.callback import DistCACallback
+from hf_distca.checkpointing import enable_remat_checkpointing, remat_checkpointing_kwargs
 from hf_distca.config import DistCAConfig
-from hf_distca.engine import core_attention
+from hf_distca.engine import InconsistentInputError, core_attention, local_attention
 from hf_distca.planning import CATask, CorePlan, Piece, PieceError, plan_core_attention
 from hf_distca.trainer import DistCATrainer
 
@@ -16,12 +17,16 @@ __all__ = [
     "DistCACallback",
     "DistCAConfig",
     "DistCATrainer",
+    "InconsistentInputError",
     "Piece",
     "PieceError",
     "__version__",
     "core_attention",
     "distca_attention_forward",
     "enable_distca",
+    "enable_remat_checkpointing",
+    "local_attention",
     "metrics",
     "plan_core_attention",
+    "remat_checkpointing_kwargs",
 ]

@@ -30,14 +30,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from hf_distca.config import DistCAConfig
-from hf_distca.engine import core_attention
+from hf_distca.engine import core_attention, local_attention
 from hf_distca.features import UnsupportedFeatureError, check_attention_call, check_window
-from hf_distca.kernels import varlen_attention
 from hf_distca.packing import (
     Unpadded,
     cu_seqlens_from_lengths,
@@ -297,16 +295,8 @@ def _run_local(
     """Causal attention of local documents, no communication. q: (T, Hq, D); k, v: (T, Hkv, D)."""
     if q.shape[0] == 0:
         return q * 0  # (0, Hq, D), nothing to attend (every row fully padded)
-    if dist.is_available() and dist.is_initialized():
-        # the engine's group=None means the world once torch.distributed is up: call the kernel
-        # directly so that a process without enable_distca/distca_layout never communicates.
-        cu = local.cu(q.device)
-        return varlen_attention(
-            q, k, v, cu, cu, local.max_len, local.max_len, scale=scale, backend=config.backend
-        )
-    return core_attention(
-        q, k, v, local.pieces, group=None, config=config, scale=scale, all_pieces=[local.pieces]
-    )
+    cu = local.cu(torch.device("cpu"))  # offsets on the host: the kernels read them there
+    return local_attention(q, k, v, cu, cu, local.max_len, local.max_len, scale=scale, backend=config.backend)
 
 
 def _run_distributed(
@@ -334,11 +324,9 @@ def _run_distributed(
     mask = _padding_mask(attention_mask, batch, seq)
     if mask is not None and not bool(mask.bool().all()):
         raise ValueError("with a distca_layout the packed row must not be padded; drop the attention_mask")
-    pieces = [tuple(int(x) for x in p) for p in layout.pieces]
-    all_pieces = [[tuple(int(x) for x in p) for p in rank_pieces] for rank_pieces in layout.all_pieces]
     if kwargs.get("sliding_window") is not None:
         doc_len: dict[int, int] = {}
-        for rank_pieces in all_pieces:
+        for rank_pieces in layout.all_pieces:
             for doc, start, length in rank_pieces:
                 doc_len[doc] = max(doc_len.get(doc, 0), start + length)
         check_window(kwargs["sliding_window"], max(doc_len.values(), default=0))
@@ -346,11 +334,11 @@ def _run_distributed(
         _flat(query),
         _flat(key),
         _flat(value),
-        pieces,
+        layout.pieces,
         group=runtime.group,
         config=runtime.config,
         scale=scaling,
-        all_pieces=all_pieces,
+        all_pieces=layout.all_pieces,  # the same object for every layer: ranks are checked once per layout
     )  # (S, Hq, D)
     return out.view(batch, seq, *out.shape[1:])  # (1, S, Hq, D)
 
@@ -433,7 +421,7 @@ def _run_with_past(
     if q.shape[0] == 0:
         out = q * 0  # (0, Hq, D): every query is padding
     else:
-        out = varlen_attention(
+        out = local_attention(
             q,
             k,
             v,

@@ -22,6 +22,7 @@ from transformers import TrainerCallback
 
 from hf_distca import metrics
 from hf_distca.attention import enable_distca
+from hf_distca.checkpointing import switch_trainer_checkpointing
 from hf_distca.config import DistCAConfig
 from hf_distca.data.loader import DistCABatches, DistCADataLoader, TokenDocuments
 from hf_distca.validation import check_launch, check_model_supported
@@ -61,6 +62,10 @@ class DistCACallback(TrainerCallback):
             baseline for comparisons; documents cut over ranks lose cross-rank context).
         column: the dataset column holding each document's token ids.
         pad_token_id: id of padding tokens (default: the model config's, else 0).
+        recompute_attention: with activation checkpointing on, recompute core attention in backward as
+            plain checkpointing does (for comparison). Default False: rematerialization-aware
+            checkpointing keeps each layer's attention output and log-sum-exp instead
+            (:mod:`hf_distca.checkpointing`).
     """
 
     def __init__(
@@ -74,6 +79,7 @@ class DistCACallback(TrainerCallback):
         disaggregate: bool = True,
         column: str = "input_ids",
         pad_token_id: int | None = None,
+        recompute_attention: bool = False,
     ):
         self.config = config or DistCAConfig()
         if not isinstance(tokens_per_rank, int) or tokens_per_rank < self.config.shard_tokens:
@@ -88,6 +94,7 @@ class DistCACallback(TrainerCallback):
         self.disaggregate = disaggregate
         self.column = column
         self.pad_token_id = pad_token_id
+        self.recompute_attention = recompute_attention
         self.records: list[dict] = []
         """The records of the current ``train()`` call (identical on every rank)."""
         self.batches: DistCABatches | None = None
@@ -178,6 +185,8 @@ class DistCACallback(TrainerCallback):
         if self.disaggregate:
             group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
             enable_distca(model, group=group, config=self.config)
+        if not self.recompute_attention:
+            switch_trainer_checkpointing(model, args)  # after the Trainer enabled checkpointing
         cfg = getattr(model, "config", None)
         heads = getattr(cfg, "num_attention_heads", 0) or 0
         head_dim = getattr(cfg, "head_dim", None) or (getattr(cfg, "hidden_size", 0) // max(heads, 1))

@@ -1,6 +1,15 @@
-"""Differentiable all-to-all-v: the only collective in the per-layer path. The group is always passed in."""
+"""All-to-all-v of flat buffers: the only collective in the per-layer path of the engine.
+
+Explicit and outside autograd: the engine's operator calls it in forward and backward and decides
+what travels. The process group is always passed in. With ``async_op=True`` the exchange is only
+started; :meth:`Exchange.wait` completes it, so a schedule can run other work in between.
+Every byte sent and received is counted in :mod:`hf_distca.metrics` when the exchange starts.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -8,38 +17,51 @@ import torch.distributed as dist
 from hf_distca import metrics
 
 
-class _AllToAllV(torch.autograd.Function):
-    """Forward: send ``send_splits[r]`` elements of a flat buffer to rank r and receive
-    ``recv_splits[r]`` from it. Backward: the same exchange with the splits swapped."""
+@dataclass
+class Exchange:
+    """An all-to-all-v in flight (or done). ``wait()`` returns the received flat buffer."""
 
-    @staticmethod
-    def forward(
-        ctx, send: torch.Tensor, send_splits: list[int], recv_splits: list[int], group
-    ) -> torch.Tensor:
-        ctx.send_splits, ctx.recv_splits, ctx.group = send_splits, recv_splits, group
-        return _exchange(send, send_splits, recv_splits, group)
+    recv: torch.Tensor
+    send: torch.Tensor
+    """Kept alive until the exchange completes (the collective reads it asynchronously)."""
+    work: Any = None
+    """The collective's handle while it is in flight; None once complete."""
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _exchange(grad, ctx.recv_splits, ctx.send_splits, ctx.group), None, None, None
-
-
-def _exchange(send: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
-    recv = send.new_empty(sum(recv_splits))
-    dist.all_to_all_single(
-        recv, send.contiguous(), output_split_sizes=recv_splits, input_split_sizes=send_splits, group=group
-    )
-    metrics.record_bytes_sent(sum(send_splits) * send.element_size())
-    metrics.record_bytes_received(sum(recv_splits) * send.element_size())
-    return recv
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+            self.send = self.recv[:0]
+        return self.recv
 
 
-def all_to_all_v(send: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
-    """Exchange slices of the 1-D tensor ``send`` with every rank of ``group`` (differentiable)."""
+def all_to_all_v(
+    send: torch.Tensor,
+    send_splits: list[int],
+    recv_splits: list[int],
+    group: Any,
+    *,
+    async_op: bool = False,
+) -> Exchange:
+    """Send ``send_splits[r]`` elements of the 1-D buffer ``send`` to rank r of ``group`` and receive
+    ``recv_splits[r]`` elements from it (in rank order). Every rank of the group must call it with
+    matching splits. Not differentiable."""
     if send.dim() != 1:
         raise ValueError(f"all_to_all_v sends a flat buffer, got shape {tuple(send.shape)}")
     if sum(send_splits) != send.numel():
         raise ValueError(
             f"send splits sum to {sum(send_splits)} but the buffer holds {send.numel()} elements"
         )
-    return _AllToAllV.apply(send, list(send_splits), list(recv_splits), group)
+    send = send.contiguous()
+    recv = send.new_empty(sum(recv_splits))
+    work = dist.all_to_all_single(
+        recv,
+        send,
+        output_split_sizes=list(recv_splits),
+        input_split_sizes=list(send_splits),
+        group=group,
+        async_op=async_op,
+    )
+    metrics.record_bytes_sent(sum(send_splits) * send.element_size())
+    metrics.record_bytes_received(sum(recv_splits) * send.element_size())
+    return Exchange(recv=recv, send=send, work=work if async_op else None)

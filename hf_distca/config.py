@@ -39,8 +39,10 @@ class DistCAConfig:
     measured time, which prices short shards' lower kernel efficiency, instead of causal (query, key)
     pairs. Every rank must read the same table. None: causal pairs."""
 
-    verify_plan: bool = False
-    """Debug mode: all-gather a hash of the plan and raise if ranks disagree (costs one collective)."""
+    check_consistency: bool = True
+    """Once per new micro-batch layout, all-gather a digest of every rank's inputs (pieces, tensor
+    shapes and dtype, these config fields) and raise on every rank, naming what differs where, instead
+    of hanging or planning differently. One small collective per micro-batch; must be equal on all ranks."""
 
     def __post_init__(self) -> None:
         if not (0.0 <= self.tolerance < 10.0):

@@ -4,7 +4,9 @@ FLOPs are forward core-attention FLOPs (4 x heads x head_dim per causal (query, 
 over layers and micro-batches, per server: ``flops_before`` without balancing (each rank its own
 pieces), ``flops_after`` as planned. ``bytes_sent`` (``bytes_received``) counts every byte this
 rank sent (received) for core attention: dispatch and return in forward, their mirrors in backward,
-and any recompute.
+and any recompute. ``attn_fwd_kernels`` counts core-attention forward kernel runs on this rank (one per
+engine call that has work for this server, one per local call); a rematerialization-aware recompute
+(:mod:`hf_distca.checkpointing`) runs none and counts as ``attn_replays`` instead.
 """
 
 from __future__ import annotations
@@ -16,9 +18,15 @@ from dataclasses import dataclass, field
 @dataclass
 class EngineStats:
     calls: int = 0
-    """Forward calls of the engine (layers x micro-batches, plus recomputes)."""
+    """Forward calls of the engine that ran core attention (layers x micro-batches, plus plain recomputes)."""
+    attn_fwd_kernels: int = 0
+    """Core-attention forward kernel runs on this rank (engine server kernels and local attention)."""
+    attn_replays: int = 0
+    """Recomputes that reused a saved attention output instead of running attention again."""
     plans: int = 0
     """Plans computed (cache misses)."""
+    checks: int = 0
+    """Cross-rank consistency checks of the engine's inputs (one small all-gather each)."""
     flops_before: list[float] = field(default_factory=list)
     flops_after: list[float] = field(default_factory=list)
     bytes_sent: int = 0
@@ -55,6 +63,21 @@ def record_call(flops_before: list[float], flops_after: list[float]) -> None:
             _stats.flops_after[i] += a
 
 
+def record_forward_kernel() -> None:
+    with _lock:
+        _stats.attn_fwd_kernels += 1
+
+
+def record_replay() -> None:
+    with _lock:
+        _stats.attn_replays += 1
+
+
+def record_check() -> None:
+    with _lock:
+        _stats.checks += 1
+
+
 def record_plan(seconds: float) -> None:
     with _lock:
         _stats.plans += 1
@@ -77,7 +100,10 @@ def snapshot(reset: bool = False) -> EngineStats:
     with _lock:
         s = EngineStats(
             calls=_stats.calls,
+            attn_fwd_kernels=_stats.attn_fwd_kernels,
+            attn_replays=_stats.attn_replays,
             plans=_stats.plans,
+            checks=_stats.checks,
             flops_before=list(_stats.flops_before),
             flops_after=list(_stats.flops_after),
             bytes_sent=_stats.bytes_sent,

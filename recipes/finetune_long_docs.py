@@ -102,6 +102,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output-dir", default="outputs/finetune_long_docs")
     p.add_argument("--attn", choices=sorted(ATTN), default="distca")
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument(
+        "--recompute-attention",
+        action="store_true",
+        help="with --gradient-checkpointing, recompute core attention in backward (plain Transformers "
+        "checkpointing, for comparison); default: keep each layer's attention output (rematerialization-aware)",
+    )
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--cpu", action="store_true", help="train on the CPU even if GPUs are present")
     p.add_argument("--deepspeed", default=None, help="DeepSpeed JSON config (or use an accelerate config)")
@@ -332,6 +338,7 @@ def main(argv=None) -> dict:
         config=config_from_args(args),
         disaggregate=args.attn == "distca",
         pad_token_id=(tokenizer.pad_token_id if tokenizer is not None else None) or 0,
+        recompute_attention=args.recompute_attention,
     )
     metrics_path = os.path.join(args.output_dir, callback.metrics_file)
     trainer = hf_distca.DistCATrainer(

@@ -317,8 +317,8 @@ def test_set_attn_implementation_switches_to_distca(monkeypatch):
     import hf_distca.attention as attention
 
     calls = []
-    real = attention.core_attention
-    monkeypatch.setattr(attention, "core_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = attention.local_attention
+    monkeypatch.setattr(attention, "local_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
     model = tiny_model("qwen2", attn="sdpa")
     assert model.config._attn_implementation == "sdpa"
     docs = random_docs([17, 40], seed=17)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from oracle import Layout, assert_close, oracle_with_grads, random_qkv
 
-from hf_distca import DistCAConfig, PieceError, core_attention, metrics
+from hf_distca import DistCAConfig, PieceError, core_attention, local_attention, metrics
 from hf_distca.engine import clear_plan_cache
 
 # Several pieces of the same document held non-adjacently in local order, a length-1 document,
@@ -65,7 +65,8 @@ def test_single_process_metrics_and_plan_cache():
         core_attention(q_all[rows], k_all[rows], v_all[rows], layout.pieces[0])
     s = metrics.snapshot()
     pairs = sum(n * (n + 1) // 2 for n in layout.doc_lens)
-    assert (s.calls, s.plans, s.bytes_sent) == (3, 1, 0)
+    # one process: one kernel per call, nothing sent, no cross-rank check
+    assert (s.calls, s.plans, s.bytes_sent, s.attn_fwd_kernels, s.checks) == (3, 1, 0, 3, 0)
     assert s.flops_before == s.flops_after == [3 * 4.0 * 4 * 8 * pairs]
 
 
@@ -96,3 +97,19 @@ def test_errors():
         core_attention(q, k, k, [(0, 0, 10)], all_pieces=[[(1, 0, 10)]])
     with pytest.raises(RuntimeError, match="not initialized"):
         core_attention(q, k, k, [(0, 0, 10)], group=object())
+
+
+@pytest.mark.parametrize("dtype, kind", [(torch.float64, "fp64"), (torch.float32, "fp32")])
+def test_local_attention_matches_oracle(dtype, kind):
+    """local_attention (the operator of the local path): whole documents, explicit forward/backward."""
+    lens = [37, 1, 23, 16]
+    q, k, v, w = random_qkv(sum(lens), 4, 2, 8, dtype, seed=9)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    cu = torch.tensor([0, *lens]).cumsum(0).to(torch.int32)
+    metrics.reset()
+    out = local_attention(*leaves, cu, cu, max(lens), max(lens), backend="reference")
+    (out * w).sum().backward()
+    assert metrics.snapshot().attn_fwd_kernels == 1
+    ref = oracle_with_grads(q, k, v, w, lens)
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in leaves)), ref):
+        assert_close(got, want, kind, name)

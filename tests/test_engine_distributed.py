@@ -6,19 +6,26 @@ engine metrics; the parent compares them with
 - the oracle (plain per-document attention, float64) on the concatenated documents, and
 - an exact replay of the plan: the reference kernel run per CA-task in this process, which the engine
   must reproduce bit for bit (it only moves rows around that kernel),
-and checks the plan really moved work, the metrics against the plan, and the error cases.
+and checks the plan really moved work, the metrics (FLOPs, kernel runs, bytes of every exchange)
+against the plan, that the stages called one by one with asynchronous exchanges give bit for bit the
+operator's results, and that malformed pieces fail on every rank. Inputs that differ between ranks are
+tested in test_engine_consistency.py.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from distributed import run_distributed
 from oracle import TOL, Layout, assert_close, named_layouts, oracle_with_grads, random_qkv
+from test_engine_remat import check_remat_case, remat_case
 
 from hf_distca import DistCAConfig, PieceError, core_attention, metrics, plan_core_attention
+from hf_distca import engine as eng
 from hf_distca.engine import clear_plan_cache
 from hf_distca.kernels import reference_varlen_attention
+from hf_distca.planning import build_dispatch_index
 
 D = 8
 HEADS = {"gqa": (4, 2), "mha": (3, 3)}
@@ -36,9 +43,17 @@ def _attention_case(rank: int, case: dict) -> dict:
     all_pieces = case.get("all_pieces", {}).get(rank)
     clear_plan_cache()
     metrics.reset()
+    saved_bytes: list[int] = []  # what autograd keeps from forward to backward, per call
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved_bytes.append(t.numel() * t.element_size())
+        return t
+
     for _ in range(case.get("repeat", 1)):  # "layers": the plan is made once and reused
-        out = core_attention(q, k, v, layout.pieces[rank], config=case["config"], all_pieces=all_pieces)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = core_attention(q, k, v, layout.pieces[rank], config=case["config"], all_pieces=all_pieces)
     forward = metrics.snapshot()
+    lse_shape = tuple(out.grad_fn.lse.shape)  # the operator's context: the server's log-sum-exp
     (out * w_all[rows]).sum().backward()
     return {
         "out": out.detach(),
@@ -47,7 +62,33 @@ def _attention_case(rank: int, case: dict) -> dict:
         "dv": v.grad,
         "forward": forward,
         "total": metrics.snapshot(),
+        "saved_bytes": sum(saved_bytes),
+        "lse_shape": lse_shape,
     }
+
+
+def _stages_case(rank: int, case: dict) -> dict:
+    """The stages one by one, every exchange asynchronous, vs the operator: identical bits."""
+    layout: Layout = case["layout"]
+    hq, hkv = HEADS[case["heads"]]
+    q_all, k_all, v_all, w_all = random_qkv(layout.total, hq, hkv, D, DTYPES[case["dtype"]], case["seed"])
+    rows = torch.as_tensor(layout.rows(rank))
+    q, k, v, w = (t[rows].clone() for t in (q_all, k_all, v_all, w_all))
+    cfg, group = case["config"], dist.group.WORLD
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = core_attention(*leaves, layout.pieces[rank], config=cfg, all_pieces=layout.pieces)
+    out.backward(w)
+    prep = eng.prepare(q, k, v, layout.pieces[rank], group=group, config=cfg, all_pieces=layout.pieces)
+    pending = eng.dispatch(prep, q, k, v, group, async_op=True)
+    out_k, lse = eng.compute(prep, q, k, v, pending.wait(), scale=None, backend=cfg.backend)
+    pending = eng.return_outputs(prep, out_k, group, async_op=True)
+    staged = eng.gather_outputs(prep, out_k, pending.wait())
+    pending = eng.dispatch_backward(prep, q, k, v, staged, w, group, async_op=True)
+    grads_k = eng.compute_backward(
+        prep, q, k, v, staged, w, lse, pending.wait(), scale=None, backend=cfg.backend
+    )
+    grads = eng.gather_grads(prep, eng.return_grads(prep, *grads_k, group, async_op=True), k.dtype)
+    return {"op": [out.detach(), *(t.grad for t in leaves)], "stages": [staged, *grads]}
 
 
 def _engine_worker(rank: int, world: int, cases: list[dict]) -> list[dict]:
@@ -56,6 +97,10 @@ def _engine_worker(rank: int, world: int, cases: list[dict]) -> list[dict]:
         try:
             if case["kind"] == "attention":
                 results.append(_attention_case(rank, case))
+            elif case["kind"] == "stages":
+                results.append(_stages_case(rank, case))
+            elif case["kind"] == "remat":
+                results.append(remat_case(rank, world))
             else:  # malformed input: only the raised error matters
                 q = torch.zeros(case["tokens"][rank], 2, D)
                 k = torch.zeros(case["tokens"][rank], 1, D)
@@ -84,10 +129,15 @@ def _attention_cases(world: int) -> list[dict]:
                  "config": config}
             )  # fmt: skip
     giant = next(c["layout"] for c in cases if c["layout"].name == "giant")
-    # three layers with one plan; the debug all-gather of the plan digest; pieces passed by the caller
+    # three layers with one plan; pieces passed by the caller
     cases.append(
-        {"kind": "attention", "name": "repeat+verify", "layout": giant, "heads": "gqa", "dtype": "fp64", "seed": 5,
-         "repeat": 3, "config": DistCAConfig(shard_tokens=8, tolerance=0.3, verify_plan=True)}
+        {"kind": "attention", "name": "repeat", "layout": giant, "heads": "gqa", "dtype": "fp64", "seed": 5,
+         "repeat": 3, "config": DistCAConfig(shard_tokens=8, tolerance=0.3)}
+    )  # fmt: skip
+    # the stages called one by one with asynchronous exchanges
+    cases.append(
+        {"kind": "stages", "name": "stages", "layout": giant, "heads": "gqa", "dtype": "fp32", "seed": 4,
+         "config": DistCAConfig(shard_tokens=8, tolerance=0.3, backend="reference")}
     )  # fmt: skip
     cases.append(
         {"kind": "attention", "name": "all_pieces", "layout": giant, "heads": "mha", "dtype": "fp32", "seed": 6,
@@ -111,15 +161,10 @@ def _attention_cases(world: int) -> list[dict]:
 
 
 def _error_cases(world: int) -> list[dict]:
-    """Malformed inputs. Every rank must raise (a rank that raises alone leaves the others hanging)."""
+    """Malformed pieces, identical on every rank: every rank must raise the planner's error."""
     rest = [[(10 + r, 0, 4)] for r in range(2, world)]  # other ranks hold valid pieces
     tokens = [10, 10] + [4] * (world - 2)
     cfg = DistCAConfig(shard_tokens=8)
-    verify_cfg = DistCAConfig(shard_tokens=8, verify_plan=True)
-    # for the verify case every rank passes all_pieces consistent with its own pieces but lying about
-    # another rank's: plans differ, the digest all-gather must catch it
-    truth = [[(0, 0, 10)], [(1, 0, 10)], *rest]
-    lie = [[(0, 0, 10)], [(2, 0, 5), (3, 0, 5)], *rest]
     return [
         {"kind": "error", "name": "overlap", "pieces": [[(0, 0, 10)], [(0, 5, 10)], *rest], "tokens": tokens,
          "config": cfg, "expect": ("PieceError", "held twice")},
@@ -127,11 +172,6 @@ def _error_cases(world: int) -> list[dict]:
          "config": cfg, "expect": ("PieceError", "gap")},
         {"kind": "error", "name": "negative", "pieces": [[(0, 0, 10)], [(1, -2, 10)], *rest], "tokens": tokens,
          "config": cfg, "expect": ("PieceError", "negative field")},
-        {"kind": "error", "name": "count", "pieces": [[(0, 0, 9)], [(1, 0, 10)], *rest], "tokens": tokens,
-         "config": cfg, "expect": ("ValueError", None)},
-        {"kind": "error", "name": "verify", "pieces": truth, "tokens": tokens, "config": verify_cfg,
-         "all_pieces": {r: (lie if r == 0 else truth) for r in range(world)},
-         "expect": ("RuntimeError", "ranks computed different plans")},
     ]  # fmt: skip
 
 
@@ -151,6 +191,29 @@ def _exact_replay(layout: Layout, plan, q_all, k_all, v_all) -> torch.Tensor:
                 qs, ks, vs, cu_q, cu_k, t.q_len, t.q_end, scale=D**-0.5
             )
     return out
+
+
+def _exchange_bytes(plan, rank: int, q_row: int, kv_row: int) -> dict[str, int]:
+    """Bytes one engine call moves for ``rank``, from its dispatch index (q_row: bytes of one query,
+    output or gradient row; kv_row: bytes of one token's key plus value)."""
+    ix = build_dispatch_index(plan, rank)
+    q_out, kv_out = sum(ix.send_q_counts), sum(ix.send_kv_counts)  # rows this rank sends to servers
+    q_in, kv_in = sum(ix.recv_q_counts), sum(ix.recv_kv_counts)  # rows it serves for other ranks
+    return {
+        # dispatch q, k, v; return the outputs of the rows it served
+        "fwd_sent": (q_out + q_in) * q_row + kv_out * kv_row,
+        "fwd_recv": (q_in + q_out) * q_row + kv_in * kv_row,
+        # dispatch_backward q, out, dout, k, v; return dq of the rows it served and dk, dv of the KV it read
+        "bwd_sent": (3 * q_out + q_in) * q_row + (kv_out + kv_in) * kv_row,
+        "bwd_recv": (3 * q_in + q_out) * q_row + (kv_in + kv_out) * kv_row,
+    }
+
+
+def _check_stages_case(case: dict, per_rank: list[dict], world: int) -> None:
+    for rank, res in enumerate(per_rank):
+        assert res.get("error") is None, f"stages rank {rank}: {res}"
+        for name, got, want in zip(("out", "dq", "dk", "dv"), res["stages"], res["op"], strict=True):
+            assert_close(got, want, "exact", f"stages/world={world} rank {rank} {name}")
 
 
 def _check_attention_case(case: dict, per_rank: list[dict], world: int) -> dict:
@@ -176,17 +239,29 @@ def _check_attention_case(case: dict, per_rank: list[dict], world: int) -> dict:
             assert got.dtype == dtype and got.shape[0] == len(rows)
             assert_close(got, want[rows], case["dtype"], f"{label} rank {rank} {name}")
         assert_close(res["out"], exact[rows], "exact", f"{label} rank {rank} out vs replay")
-        # metrics: per-server FLOPs of the plan, bytes as counted by comm.py: forward = the plan's
-        # bytes_sent per call; backward mirrors each exchange with the splits swapped, so this rank
-        # then sends what it received in the forward: + bytes_received (summed over ranks: twice).
+        # metrics: per-server FLOPs of the plan; one forward kernel per call on a server with tasks; bytes
+        # as counted by comm.py, per exchange (forward = the planner's own traffic estimate)
         fwd, total = res["forward"], res["total"]
         assert (fwd.calls, fwd.plans, total.calls) == (repeat, 1, repeat), label
         assert fwd.flops_before == [repeat * flops_per_pair * x for x in plan.load_before], label
         assert fwd.flops_after == [repeat * flops_per_pair * x for x in plan.load_after], label
-        assert fwd.bytes_sent == repeat * plan.bytes_sent[rank], label
-        assert total.bytes_sent == repeat * plan.bytes_sent[rank] + plan.bytes_received[rank], label
-        assert fwd.bytes_received == repeat * plan.bytes_received[rank], label
-        assert total.bytes_received == repeat * plan.bytes_received[rank] + plan.bytes_sent[rank], label
+        # memory: per call, autograd keeps this rank's q, k, v and output (local rows only, nothing the
+        # server received) and the context the server's log-sum-exp, one row per query row it computes
+        local_bytes = len(rows) * (2 * hq + 2 * hkv) * D * elem
+        assert res["saved_bytes"] == repeat * local_bytes, label
+        assert res["lse_shape"] == (sum(t.q_len for t in plan.tasks[rank]), hq), label
+        serves = any(t.q_len for t in plan.tasks[rank])
+        assert (fwd.attn_fwd_kernels, total.attn_fwd_kernels) == (repeat * serves, repeat * serves), label
+        want = _exchange_bytes(plan, rank, hq * D * elem, 2 * hkv * D * elem)
+        assert want["fwd_sent"] == plan.bytes_sent[rank] and want["fwd_recv"] == plan.bytes_received[rank], (
+            label
+        )
+        assert (fwd.bytes_sent, fwd.bytes_received) == (
+            repeat * want["fwd_sent"],
+            repeat * want["fwd_recv"],
+        ), label
+        assert total.bytes_sent == repeat * want["fwd_sent"] + want["bwd_sent"], label
+        assert total.bytes_received == repeat * want["fwd_recv"] + want["bwd_recv"], label
     cfg = case["config"]
     mean = sum(plan.load_before) / world
     achievable = cfg.shard_tokens * max(layout.doc_lens) < cfg.tolerance * mean  # see test_planner
@@ -203,17 +278,16 @@ def _check_error_case(case: dict, per_rank: list[dict], world: int) -> None:
         assert res["error"] == cls, where
         if pattern:
             assert pattern in res["message"], where
-    if case["name"] == "count":  # the offending rank names its mistake, the others name the rank
-        assert "pieces cover 9 tokens but q holds 10" in per_rank[0]["message"]
-        assert all("rank(s) [0]" in res["message"] for res in per_rank[1:])
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_engine_distributed(world):
+def test_engine_distributed_and_remat(world):
+    """The engine cases above, then a tiny Llama step with rematerialization-aware checkpointing vs no
+    checkpointing vs plain recompute (test_engine_remat.py) in the same processes."""
     attention = _attention_cases(world)
     errors = _error_cases(world)
     # errors in the middle: the group must still work after every rank raised
-    cases = attention[:4] + errors + attention[4:]
+    cases = attention[:4] + errors + attention[4:] + [{"kind": "remat"}]
     results = run_distributed(_engine_worker, world, cases, timeout=SPAWN_TIMEOUT)
     summaries = []
     threads = torch.get_num_threads()
@@ -225,6 +299,10 @@ def test_engine_distributed(world):
             per_rank = [results[r][i] for r in range(world)]
             if case["kind"] == "attention":
                 summaries.append(_check_attention_case(case, per_rank, world))
+            elif case["kind"] == "stages":
+                _check_stages_case(case, per_rank, world)
+            elif case["kind"] == "remat":
+                check_remat_case(per_rank, world)
             else:
                 _check_error_case(case, per_rank, world)
     finally:

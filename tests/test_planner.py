@@ -2,7 +2,7 @@
 
 The data movement is simulated with numpy: every local token is labelled by its global row (which
 identifies (document, position)); rows travel through the send/receive/kernel/return index arrays of
-``build_rank_layout`` exactly as the engine moves tensors, and every local row must get back the output
+``build_dispatch_index`` exactly as the engine moves tensors, and every local row must get back the output
 of a kernel row that computed that very (document, position) against that document's KV prefix.
 """
 
@@ -24,7 +24,7 @@ from hf_distca.planning import (
     CausalPairsCost,
     DocIndex,
     MeasuredCost,
-    build_rank_layout,
+    build_dispatch_index,
     causal_pairs,
     cost_model_from_config,
 )
@@ -165,7 +165,7 @@ def check_plan(plan, layout: Layout, config: DistCAConfig, cost=None) -> None:
 def simulate(plan, layout: Layout) -> None:
     """Run the engine's data movement on labels (global row ids) with numpy and check every hop."""
     world = layout.world
-    lays = [build_rank_layout(plan, r) for r in range(world)]
+    lays = [build_dispatch_index(plan, r) for r in range(world)]
     local = [layout.rows(r) for r in range(world)]
     offsets = layout.offsets()
     for r, lay in enumerate(lays):

@@ -1,6 +1,6 @@
-"""build_rank_layout: turn a plan into one rank's index arrays for dispatch, kernel and return.
+"""build_dispatch_index: turn a plan into one rank's index arrays for dispatch, kernel and return.
 
-Conventions (all ranks derive the same orders from the plan, so nothing about layout is exchanged):
+Conventions (all ranks derive the same orders from the plan, so no index is ever exchanged):
 - the Q stream from holder h to server s: the rows of s's tasks held by h, in s's task order;
 - the KV stream from h to s: for each document s needs (ascending id), the rows of its KV prefix
   held by h, in position order;
@@ -18,7 +18,7 @@ from hf_distca.planning.planner import CorePlan
 
 
 @dataclass
-class RankLayout:
+class DispatchIndex:
     """Index arrays of one rank (numpy int64 unless stated)."""
 
     rank: int
@@ -64,7 +64,7 @@ def _aranges(segments: list[tuple[int, int]]) -> np.ndarray:
     return np.repeat(starts, lens) + (np.arange(total, dtype=np.int64) - seg_begin)
 
 
-def build_rank_layout(plan: CorePlan, rank: int) -> RankLayout:
+def build_dispatch_index(plan: CorePlan, rank: int) -> DispatchIndex:
     """Index arrays for ``rank`` (cost: its own tasks plus the segments it holds of others' tasks)."""
     index = plan.index
     world = plan.world_size
@@ -159,7 +159,7 @@ def build_rank_layout(plan: CorePlan, rank: int) -> RankLayout:
 
     lens_q = np.diff(cu_q)
     lens_k = np.diff(cu_k)
-    return RankLayout(
+    return DispatchIndex(
         rank=rank,
         world_size=world,
         num_local=num_local,

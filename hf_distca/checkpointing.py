@@ -1,0 +1,228 @@
+"""Rematerialization-aware activation checkpointing: recompute a layer, never its core attention.
+
+Plain activation checkpointing (``torch.utils.checkpoint``, non-reentrant, as Transformers uses it)
+re-runs each decoder layer in backward to refill the tensors its operations saved; for ``distca`` that
+means dispatching, computing and returning core attention a second time — the most expensive FLOPs and
+most of the bytes of a long-context step. Non-reentrant checkpoint runs the ORIGINAL graph's backward
+nodes; the recompute only refills their saved tensors, in save order, and checks their count and
+metadata. So the attention operators (:mod:`hf_distca.engine.op`) save exactly (q, k, v, out) with
+``save_for_backward`` and keep the log-sum-exp as an attribute, and this module passes a
+``context_fn`` to checkpoint that
+
+- in the forward context: collects each attention call's output and log-sum-exp in a frame that
+  belongs to this one checkpoint call (created by ``context_fn``, shared by its two contexts only);
+- in the recompute context: hands them back, in call order, to the attention calls of the recompute,
+  which then run a replay of the operator that saves the same four tensors (the recomputed q, k, v
+  and the kept output) and returns the kept output, with no attention kernel and no communication.
+
+The attention backward kernel is then the only core attention that runs in backward. Per layer this
+keeps the attention output (T x Hq x D, the size of the layer's input) and the log-sum-exp (T x Hq,
+float32) from forward to backward, in addition to the layer input that checkpointing keeps anyway.
+
+Use :func:`enable_remat_checkpointing` (the Trainer callback does it by default), or pass
+:func:`remat_checkpointing_kwargs` as ``gradient_checkpointing_kwargs``.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import noop_context_fn
+
+__all__ = [
+    "SavedAttention",
+    "enable_remat_checkpointing",
+    "remat_checkpointing_kwargs",
+    "remat_context_fn",
+    "switch_trainer_checkpointing",
+]
+
+
+@dataclass(frozen=True)
+class SavedAttention:
+    """One attention call's result, kept from the forward for its recompute."""
+
+    out: torch.Tensor
+    """The output (detached: the frame never holds the autograd graph)."""
+    lse: torch.Tensor
+    """The log-sum-exp the backward kernel needs (in the runner's kernel row order)."""
+    runner: Any
+    """What the operator's backward needs to run (the engine's prepared plan, or the local offsets)."""
+
+
+class _Frame:
+    """The attention results of one checkpoint call, in call order."""
+
+    def __init__(self) -> None:
+        self.saved: list[SavedAttention] = []
+        self.cursor = 0
+
+
+_FORWARD, _RECOMPUTE = "forward", "recompute"
+_state = threading.local()
+
+
+def _stack() -> list[tuple[str, _Frame]]:
+    if not hasattr(_state, "stack"):
+        _state.stack = []
+    return _state.stack
+
+
+class _FrameContext:
+    """Makes ``frame`` the current frame in ``mode`` while active (innermost checkpoint wins)."""
+
+    def __init__(self, mode: str, frame: _Frame) -> None:
+        self.mode, self.frame = mode, frame
+
+    def __enter__(self) -> _FrameContext:
+        if self.mode == _RECOMPUTE:
+            self.frame.cursor = 0  # a second backward over a retained graph recomputes again
+        _stack().append((self.mode, self.frame))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _stack().pop()
+
+
+def remat_context_fn() -> tuple[_FrameContext, _FrameContext]:
+    """``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: a fresh frame
+    and its (forward, recompute) context managers."""
+    frame = _Frame()
+    return _FrameContext(_FORWARD, frame), _FrameContext(_RECOMPUTE, frame)
+
+
+def keep_for_recompute(out: torch.Tensor, lse: torch.Tensor, runner: Any) -> None:
+    """Called by the attention operators after a real forward: keep the result when a rematerialization-
+    aware checkpoint is recording (no-op otherwise)."""
+    stack = _stack()
+    if stack and stack[-1][0] == _FORWARD:
+        stack[-1][1].saved.append(SavedAttention(out.detach(), lse, runner))
+
+
+def take_saved_attention(rows: int) -> SavedAttention | None:
+    """Inside a rematerialization-aware recompute: the next kept attention result (for a call with
+    ``rows`` query rows); None outside one."""
+    stack = _stack()
+    if not stack or stack[-1][0] != _RECOMPUTE:
+        return None
+    frame = stack[-1][1]
+    if frame.cursor >= len(frame.saved):
+        raise RuntimeError(
+            f"rematerialization-aware checkpointing: the recompute calls attention {frame.cursor + 1} times but "
+            f"the forward called it {len(frame.saved)} times; the checkpointed function must be deterministic. "
+            "Use plain recompute (DistCACallback(recompute_attention=True) / no context_fn) for this model"
+        )
+    saved = frame.saved[frame.cursor]
+    frame.cursor += 1
+    if saved.out.shape[0] != rows:
+        raise RuntimeError(
+            f"rematerialization-aware checkpointing: the recompute's attention call has {rows} query rows but the "
+            f"forward's had {saved.out.shape[0]}; the checkpointed function must see the same inputs"
+        )
+    return saved
+
+
+class _Both:
+    """Enters two context managers as one (ours inside the user's)."""
+
+    def __init__(self, outer: Any, inner: Any) -> None:
+        self.outer, self.inner = outer, inner
+
+    def __enter__(self) -> _Both:
+        self.outer.__enter__()
+        try:
+            self.inner.__enter__()
+        except BaseException:
+            self.outer.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        suppressed = bool(self.inner.__exit__(*exc))
+        if suppressed:
+            exc = (None, None, None)
+        return bool(self.outer.__exit__(*exc)) or suppressed
+
+
+def _composed(user_context_fn: Callable[[], tuple[Any, Any]]) -> Callable[[], tuple[Any, Any]]:
+    def context_fn() -> tuple[_Both, _Both]:
+        user_forward, user_recompute = user_context_fn()
+        ours_forward, ours_recompute = remat_context_fn()
+        return _Both(user_forward, ours_forward), _Both(user_recompute, ours_recompute)
+
+    return context_fn
+
+
+def remat_checkpointing_kwargs(checkpointing_kwargs: dict | None = None) -> dict:
+    """Keyword arguments for ``torch.utils.checkpoint.checkpoint`` (e.g. Transformers'
+    ``gradient_checkpointing_kwargs``) that make checkpointing rematerialization-aware, merged with the
+    caller's: ``use_reentrant=False`` (required) and our ``context_fn`` (composed with the caller's own)."""
+    kwargs = dict(checkpointing_kwargs or {})
+    if kwargs.get("use_reentrant", False):
+        raise ValueError(
+            "rematerialization-aware checkpointing needs non-reentrant checkpointing; drop use_reentrant=True "
+            "from the checkpointing kwargs (or keep plain recompute: DistCACallback(recompute_attention=True))"
+        )
+    kwargs["use_reentrant"] = False
+    user_fn = kwargs.get("context_fn")
+    plain = user_fn is None or user_fn is noop_context_fn
+    kwargs["context_fn"] = remat_context_fn if plain else _composed(user_fn)
+    return kwargs
+
+
+def checkpointing_enabled(model: torch.nn.Module) -> bool:
+    """Whether Transformers' activation (gradient) checkpointing is on for ``model``."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                return bool(getattr(model, name))
+    return False
+
+
+def enable_remat_checkpointing(model: torch.nn.Module, checkpointing_kwargs: dict | None = None) -> None:
+    """Turn on activation checkpointing of a Transformers model with rematerialization-aware attention.
+
+    ``checkpointing_kwargs``: what you would pass as ``gradient_checkpointing_kwargs`` (Transformers >= 5.24
+    also takes ``every_n_layers`` and ``offload`` there, as TrainingArguments does); they are kept. Calling
+    it again replaces the previous setting. Only ``attn_implementation="distca"`` attention is affected."""
+    kwargs = dict(checkpointing_kwargs or {})
+    layer_options = {name: kwargs.pop(name) for name in ("every_n_layers", "offload") if name in kwargs}
+    kwargs = remat_checkpointing_kwargs(kwargs)
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, **layer_options)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs, **layer_options)
+
+
+def switch_trainer_checkpointing(model: torch.nn.Module, training_args: Any) -> bool:
+    """Make the Trainer's activation checkpointing rematerialization-aware (what DistCACallback does at
+    ``on_train_begin``, after the Trainer turned checkpointing on): only for a model whose attention is
+    ``distca`` and that checkpoints; the user's checkpointing kwargs from ``training_args`` are kept.
+    Returns whether it switched."""
+    while not hasattr(model, "gradient_checkpointing_enable") and hasattr(model, "module"):
+        model = model.module  # a DDP/FSDP/DeepSpeed wrapper around the Transformers model
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if (
+        impl != "distca"
+        or not hasattr(model, "gradient_checkpointing_enable")
+        or not checkpointing_enabled(model)
+    ):
+        return False
+    user = getattr(training_args, "activation_checkpointing_kwargs", None)
+    if user is None:
+        user = getattr(training_args, "gradient_checkpointing_kwargs", None)
+    if dict(user or {}).get("use_reentrant", False):
+        warnings.warn(
+            "hf_distca: the checkpointing kwargs ask for use_reentrant=True, so core attention is recomputed "
+            "in backward; drop use_reentrant to let distca keep its output instead",
+            stacklevel=2,
+        )
+        return False
+    enable_remat_checkpointing(model, user)
+    return True

@@ -1,0 +1,51 @@
+"""The core-attention engine: per-document causal attention of a packed micro-batch, balanced across ranks.
+
+Stages, each callable on its own (an overlap schedule can interleave them):
+
+- prepare (:mod:`.prepare`): plan + this rank's index tensors, cached per micro-batch, checked across
+  ranks (:mod:`.consistency`);
+- forward (:mod:`.stages`): dispatch (query rows and KV-prefix rows to their servers, one all-to-all-v),
+  compute (one fused server kernel: output and log-sum-exp), return_outputs / gather_outputs;
+- backward: dispatch_backward (q, output, output gradient and KV rows re-sent), compute_backward (the
+  server's backward kernel), return_grads / gather_grads (dq to query owners, dk/dv to KV owners, summed
+  over every task that read them).
+
+:func:`core_attention` chains them in one autograd operator (:mod:`.op`, which also says what is kept
+where and the bytes per layer); :func:`local_attention` is the same operator on one process's own
+sequences. Both take part in rematerialization-aware checkpointing (:mod:`hf_distca.checkpointing`).
+"""
+
+from hf_distca.engine.consistency import InconsistentInputError
+from hf_distca.engine.op import EngineRunner, LocalRunner, core_attention, local_attention
+from hf_distca.engine.prepare import PreparedAttention, clear_plan_cache, prepare
+from hf_distca.engine.stages import (
+    GradReturn,
+    compute,
+    compute_backward,
+    dispatch,
+    dispatch_backward,
+    gather_grads,
+    gather_outputs,
+    return_grads,
+    return_outputs,
+)
+
+__all__ = [
+    "EngineRunner",
+    "GradReturn",
+    "InconsistentInputError",
+    "LocalRunner",
+    "PreparedAttention",
+    "clear_plan_cache",
+    "compute",
+    "compute_backward",
+    "core_attention",
+    "dispatch",
+    "dispatch_backward",
+    "gather_grads",
+    "gather_outputs",
+    "local_attention",
+    "prepare",
+    "return_grads",
+    "return_outputs",
+]

@@ -1,0 +1,245 @@
+"""Stage "prepare": the plan of one micro-batch and this rank's index tensors, agreed across ranks.
+
+Every rank plans from the same all-gathered pieces and gets the same plan (nothing is broadcast).
+Plans are cached by content; index tensors are cached per device on the prepared object, so the layers
+of one micro-batch plan once. Agreement is checked by :mod:`hf_distca.engine.consistency` at points all
+ranks agree on even when their inputs differ:
+
+- ``all_pieces`` given (the Transformers path: the data path builds one layout object per micro-batch
+  on every rank, and every layer and recompute reuses it): on the first call with each new
+  ``all_pieces`` object (by identity), one all-gather of the check vector;
+- ``all_pieces`` not given: the engine all-gathers the pieces on every call anyway, and the check vector
+  travels in the same all-gather as the piece counts.
+A cache hit on one rank and a miss on another therefore never changes which collectives run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hf_distca import metrics
+from hf_distca.config import DistCAConfig
+from hf_distca.engine.consistency import (
+    LocalInputs,
+    Pieces,
+    all_gather_rows,
+    check_vector,
+    collective_device,
+    describe_inputs,
+    digest64,
+    raise_on_disagreement,
+)
+from hf_distca.planning import CorePlan, DispatchIndex, build_dispatch_index, plan_core_attention
+
+_PLAN_CACHE_SIZE = 8
+_SEEN_LAYOUTS = 16
+_plan_cache: OrderedDict[tuple, PreparedAttention] = OrderedDict()
+
+
+@dataclass(frozen=True)
+class DeviceIndex:
+    """The index arrays of a :class:`~hf_distca.planning.DispatchIndex` as int64 tensors on one device."""
+
+    send_q_rows: torch.Tensor
+    send_kv_rows: torch.Tensor
+    kernel_q_index: torch.Tensor
+    kernel_kv_index: torch.Tensor
+    out_send_index: torch.Tensor
+    out_gather: torch.Tensor
+
+
+@dataclass
+class PreparedAttention:
+    """Everything the other stages need for one micro-batch on this rank (shared by all its layers)."""
+
+    plan: CorePlan
+    index: DispatchIndex
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    cu_seqlens_q: torch.Tensor
+    """(tasks + 1,) int32 on the CPU: the server kernel's query offsets (kernels read them on the host)."""
+    cu_seqlens_k: torch.Tensor
+    flops_before: list[float]
+    """Per server, forward core-attention FLOPs of one call without balancing (each rank its own pieces)."""
+    flops_after: list[float]
+    """Per server, forward FLOPs of one call as planned."""
+    _on_device: dict[str, DeviceIndex] = field(default_factory=dict)
+
+    @property
+    def rank(self) -> int:
+        return self.index.rank
+
+    @property
+    def world(self) -> int:
+        return self.index.world_size
+
+    @property
+    def num_local(self) -> int:
+        return self.index.num_local
+
+    @property
+    def communicates(self) -> bool:
+        """Whether any rank sends anything under this plan (all ranks agree: the plan is shared)."""
+        return self.world > 1 and any(self.plan.bytes_sent)
+
+    def device_index(self, device: torch.device) -> DeviceIndex:
+        key = str(device)
+        if key not in self._on_device:
+            ix = self.index
+
+            def as_t(a: np.ndarray) -> torch.Tensor:
+                return torch.as_tensor(np.ascontiguousarray(a), dtype=torch.long).to(
+                    device, non_blocking=True
+                )
+
+            self._on_device[key] = DeviceIndex(
+                send_q_rows=as_t(ix.send_q_rows),
+                send_kv_rows=as_t(ix.send_kv_rows),
+                kernel_q_index=as_t(ix.kernel_q_index),
+                kernel_kv_index=as_t(ix.kernel_kv_index),
+                out_send_index=as_t(ix.out_send_index),
+                out_gather=as_t(ix.out_gather),
+            )
+        return self._on_device[key]
+
+
+def group_rank_world(group: Any) -> tuple[int, int]:
+    """This process's rank in ``group`` and the group's size (0, 1 without torch.distributed)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise RuntimeError("a process group was passed but torch.distributed is not initialized")
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+@dataclass
+class _SeenLayout:
+    obj: Any
+    """The caller's all_pieces object, held so that its id cannot be reused while it is remembered."""
+    all_pieces: list[Pieces]
+    digest: int
+
+
+_seen: OrderedDict[tuple, _SeenLayout] = OrderedDict()
+
+
+def prepare(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pieces: Sequence[Sequence[int]],
+    *,
+    group: Any = None,
+    config: DistCAConfig,
+    all_pieces: Sequence[Sequence[Sequence[int]]] | None = None,
+) -> PreparedAttention:
+    """The plan and index tensors of this call (see the module docstring for when ranks are checked).
+
+    Collective on ``group`` when the inputs are new (see above); raises on every rank of the group
+    together when any rank's input is malformed or the ranks disagree."""
+    rank, world = group_rank_world(group)
+    if world == 1:
+        info = describe_inputs(q, k, v, pieces, all_pieces, 0, 1)
+        info.raise_if_failed()
+        everyone = info.all_pieces if info.all_pieces is not None else [info.pieces]
+        digest = digest64([digest64(p) for p in everyone])
+    elif all_pieces is None:
+        info = describe_inputs(q, k, v, pieces, None, rank, world)
+        everyone = _gather_pieces(info, config, group, q.device)
+        digest = digest64([digest64(p) for p in everyone])
+    else:
+        key = (id(group), id(all_pieces))
+        seen = _seen.get(key)
+        if seen is None or seen.obj is not all_pieces:
+            info = describe_inputs(q, k, v, pieces, all_pieces, rank, world)
+            if config.check_consistency:
+                metrics.record_check()
+                vectors = all_gather_rows(check_vector(info, config), group, q.device)
+                raise_on_disagreement(vectors, info, config, compare_inputs=True, compare_all_pieces=True)
+            info.raise_if_failed()
+            seen = _SeenLayout(all_pieces, info.all_pieces, info.all_pieces_digest)
+            _seen[key] = seen
+            if len(_seen) > _SEEN_LAYOUTS:
+                _seen.popitem(last=False)
+        else:
+            _seen.move_to_end(key)
+        everyone, digest = seen.all_pieces, seen.digest
+    prepared = _planned(everyone, digest, rank, q, k, config)
+    if prepared.num_local != q.shape[0]:
+        raise ValueError(
+            f"rank {rank}: q holds {q.shape[0]} rows but this micro-batch's pieces give it {prepared.num_local}; "
+            "pass a new all_pieces object for each micro-batch"
+        )
+    return prepared
+
+
+def _gather_pieces(info: LocalInputs, config: DistCAConfig, group: Any, device: torch.device) -> list[Pieces]:
+    """All ranks' pieces: one all-gather of [piece count | check vector], then one of the padded pieces."""
+    if config.check_consistency:
+        metrics.record_check()
+    rows = all_gather_rows([len(info.pieces), *check_vector(info, config)], group, device)
+    raise_on_disagreement(
+        [r[1:] for r in rows], info, config, compare_inputs=config.check_consistency, compare_all_pieces=False
+    )
+    info.raise_if_failed()
+    counts = [r[0] for r in rows]
+    dev = collective_device(group, device)
+    mine = torch.full((max(max(counts), 1), 3), -1, dtype=torch.long)
+    if info.pieces:
+        mine[: len(info.pieces)] = torch.tensor(info.pieces, dtype=torch.long)
+    mine = mine.to(dev)
+    everyone = [torch.empty_like(mine) for _ in counts]
+    dist.all_gather(everyone, mine, group=group)
+    return [[tuple(p) for p in t[:n].cpu().tolist()] for t, n in zip(everyone, counts, strict=True)]
+
+
+def _planned(
+    all_pieces: list[Pieces], digest: int, rank: int, q: torch.Tensor, k: torch.Tensor, config: DistCAConfig
+) -> PreparedAttention:
+    q_heads, head_dim, kv_heads = q.shape[1], q.shape[2], k.shape[1]
+    elem = q.element_size()
+    key = (digest, rank, len(all_pieces), q_heads, kv_heads, head_dim, elem, config)
+    hit = _plan_cache.get(key)
+    if hit is not None:
+        _plan_cache.move_to_end(key)
+        return hit
+    t0 = time.perf_counter()
+    plan = plan_core_attention(
+        all_pieces,
+        q_row_bytes=q_heads * head_dim * elem,
+        kv_row_bytes=2 * kv_heads * head_dim * elem,
+        config=config,
+    )
+    index = build_dispatch_index(plan, rank)
+    metrics.record_plan(time.perf_counter() - t0)
+    flops_per_pair = 4.0 * q_heads * head_dim  # plan loads are causal (query, key) pairs
+    prepared = PreparedAttention(
+        plan=plan,
+        index=index,
+        q_heads=q_heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        cu_seqlens_q=torch.as_tensor(index.cu_seqlens_q, dtype=torch.int32),
+        cu_seqlens_k=torch.as_tensor(index.cu_seqlens_k, dtype=torch.int32),
+        flops_before=[x * flops_per_pair for x in plan.load_before],
+        flops_after=[x * flops_per_pair for x in plan.load_after],
+    )
+    _plan_cache[key] = prepared
+    if len(_plan_cache) > _PLAN_CACHE_SIZE:
+        _plan_cache.popitem(last=False)
+    return prepared
+
+
+def clear_plan_cache() -> None:
+    """Forget cached plans (the next call plans again). Rank-local and safe on any subset of ranks: which
+    layouts were already checked across ranks is kept, so no rank runs a check the others skip."""
+    _plan_cache.clear()

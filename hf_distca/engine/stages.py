@@ -1,0 +1,292 @@
+"""The engine's stages after "prepare", each callable on its own (an overlap schedule interleaves them).
+
+Forward:  dispatch -> compute -> return_outputs -> gather_outputs
+Backward: dispatch_backward -> compute_backward -> return_grads -> gather_grads
+
+Communication stages start one all-to-all-v on the group they are given and return an
+:class:`~hf_distca.comm.Exchange` (``async_op=True``: still in flight, ``wait()`` completes it); None
+when the plan moves nothing. No stage records anything for autograd: the operator in
+:mod:`hf_distca.engine.op` chains them.
+
+Buffers: a rank sends, per destination rank in rank order, the rows of each stream back to back
+(dispatch: [q | k | v]; dispatch_backward: [q | out | dout | k | v]; return_grads: [dq | dk | dv]).
+A server's pools are ``cat([its own rows, rows received from rank 0, from rank 1, ...])`` per stream;
+the kernel reads them through the plan's kernel indices (a KV prefix shared by two tasks is read twice,
+so its gradients are summed with index_add).
+
+What each stage keeps: nothing. Pools and their kernel-order copies are temporaries freed when the stage
+returns; the operator keeps, per layer, the owner's q, k, v and output and the server's log-sum-exp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hf_distca import metrics
+from hf_distca.comm import Exchange, all_to_all_v
+from hf_distca.engine.prepare import PreparedAttention
+from hf_distca.kernels import attention_backward, attention_forward
+
+Stream = tuple[torch.Tensor, list[int]]  # rows (N, H, D) grouped by destination, rows per destination
+
+
+def _start(streams: list[Stream], recv_counts: list[list[int]], group: Any, async_op: bool) -> Exchange:
+    """Pack ``streams`` per destination and start the all-to-all-v; ``recv_counts[s][r]``: rows of
+    stream s that rank r sends here."""
+    world = len(streams[0][1])
+    chunks = [rows.split(counts) for rows, counts in streams]
+    row_elems = [rows.shape[1] * rows.shape[2] for rows, _ in streams]
+    parts = [chunks[s][r].reshape(-1) for r in range(world) for s in range(len(streams))]
+    send_splits = [sum(streams[s][1][r] * row_elems[s] for s in range(len(streams))) for r in range(world)]
+    recv_splits = [sum(recv_counts[s][r] * row_elems[s] for s in range(len(streams))) for r in range(world)]
+    return all_to_all_v(torch.cat(parts), send_splits, recv_splits, group, async_op=async_op)
+
+
+def _unpack(
+    buf: torch.Tensor, recv_counts: list[list[int]], row_shapes: list[tuple[int, int]]
+) -> list[list[torch.Tensor]]:
+    """Split a received buffer into, per stream, one (n, H, D) view per source rank."""
+    world = len(recv_counts[0])
+    sizes = [recv_counts[s][r] * h * d for r in range(world) for s, (h, d) in enumerate(row_shapes)]
+    pieces = buf.split(sizes)
+    out: list[list[torch.Tensor]] = [[] for _ in row_shapes]
+    for r in range(world):
+        for s, (h, d) in enumerate(row_shapes):
+            out[s].append(pieces[r * len(row_shapes) + s].view(recv_counts[s][r], h, d))
+    return out
+
+
+def _pools(
+    local: list[torch.Tensor], received: torch.Tensor | None, recv_counts: list[list[int]]
+) -> list[torch.Tensor]:
+    """Per stream, cat([local rows, rows from rank 0, from rank 1, ...]) (the local tensors themselves
+    when nothing was received)."""
+    if received is None:
+        return local
+    shapes = [(t.shape[1], t.shape[2]) for t in local]
+    per_stream = _unpack(received, recv_counts, shapes)
+    return [torch.cat([t, *parts]) for t, parts in zip(local, per_stream, strict=True)]
+
+
+def _kernel_rows(
+    local: list[torch.Tensor],
+    received: torch.Tensor | None,
+    recv_counts: list[list[int]],
+    indices: list[torch.Tensor],
+) -> list[torch.Tensor]:
+    """Per stream, the kernel's rows (pool rows at ``indices``); the pools are freed on return."""
+    pools = _pools(local, received, recv_counts)
+    return [pool.index_select(0, index) for pool, index in zip(pools, indices, strict=True)]
+
+
+# ------------------------------------------------------------------------------------------- forward
+def dispatch(
+    prep: PreparedAttention,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: Any,
+    *,
+    async_op: bool = False,
+) -> Exchange | None:
+    """Send the query rows of every task and the KV-prefix rows it needs to its server (one all-to-all-v;
+    KV rows go once per server even when several of its tasks read them)."""
+    if not prep.communicates:
+        return None
+    ix, dev = prep.index, prep.device_index(q.device)
+    kv_rows = dev.send_kv_rows
+    streams = [
+        (q.index_select(0, dev.send_q_rows), ix.send_q_counts),  # (Nq, Hq, D)
+        (k.index_select(0, kv_rows), ix.send_kv_counts),  # (Nkv, Hkv, D)
+        (v.index_select(0, kv_rows), ix.send_kv_counts),  # (Nkv, Hkv, D)
+    ]
+    recv = [ix.recv_q_counts, ix.recv_kv_counts, ix.recv_kv_counts]
+    return _start(streams, recv, group, async_op)
+
+
+def compute(
+    prep: PreparedAttention,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    received: torch.Tensor | None,
+    *,
+    scale: float | None,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This server's fused forward kernel over all its tasks: (out, lse) in kernel row order,
+    (Tk, Hq, D) and (Tk, Hq) float32."""
+    ix, dev = prep.index, prep.device_index(q.device)
+    rq, rkv, qi, kvi = ix.recv_q_counts, ix.recv_kv_counts, dev.kernel_q_index, dev.kernel_kv_index
+    # (Tk, Hq, D), (Tkv, Hkv, D), (Tkv, Hkv, D)
+    q_kernel, k_kernel, v_kernel = _kernel_rows([q, k, v], received, [rq, rkv, rkv], [qi, kvi, kvi])
+    if q_kernel.shape[0]:
+        metrics.record_forward_kernel()
+    return attention_forward(
+        q_kernel,
+        k_kernel,
+        v_kernel,
+        prep.cu_seqlens_q,
+        prep.cu_seqlens_k,
+        ix.max_seqlen_q,
+        ix.max_seqlen_k,
+        scale=scale,
+        backend=backend,
+    )
+
+
+def return_outputs(
+    prep: PreparedAttention, out_kernel: torch.Tensor, group: Any, *, async_op: bool = False
+) -> Exchange | None:
+    """Send the output rows of other ranks' queries back to them (one all-to-all-v)."""
+    if not prep.communicates:
+        return None
+    ix, dev = prep.index, prep.device_index(out_kernel.device)
+    streams = [(out_kernel.index_select(0, dev.out_send_index), ix.out_send_counts)]  # (No, Hq, D)
+    return _start(streams, [ix.out_recv_counts], group, async_op)
+
+
+def gather_outputs(
+    prep: PreparedAttention, out_kernel: torch.Tensor, returned: torch.Tensor | None
+) -> torch.Tensor:
+    """This rank's outputs in local row order, (T_local, Hq, D), from its kernel rows and the returned rows."""
+    (pool,) = _pools([out_kernel], returned, [prep.index.out_recv_counts])
+    return pool.index_select(0, prep.device_index(out_kernel.device).out_gather)
+
+
+# ------------------------------------------------------------------------------------------ backward
+def dispatch_backward(
+    prep: PreparedAttention,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    dout: torch.Tensor,
+    group: Any,
+    *,
+    async_op: bool = False,
+) -> Exchange | None:
+    """Re-send what the servers need for their backward kernel: q, out and dout rows of their tasks and
+    the KV-prefix rows (the servers kept only their log-sum-exp)."""
+    if not prep.communicates:
+        return None
+    ix, dev = prep.index, prep.device_index(q.device)
+    q_rows, kv_rows = dev.send_q_rows, dev.send_kv_rows
+    streams = [
+        (q.index_select(0, q_rows), ix.send_q_counts),  # (Nq, Hq, D)
+        (out.index_select(0, q_rows), ix.send_q_counts),
+        (dout.index_select(0, q_rows), ix.send_q_counts),
+        (k.index_select(0, kv_rows), ix.send_kv_counts),  # (Nkv, Hkv, D)
+        (v.index_select(0, kv_rows), ix.send_kv_counts),
+    ]
+    rq, rkv = ix.recv_q_counts, ix.recv_kv_counts
+    return _start(streams, [rq, rq, rq, rkv, rkv], group, async_op)
+
+
+def compute_backward(
+    prep: PreparedAttention,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    dout: torch.Tensor,
+    lse: torch.Tensor,
+    received: torch.Tensor | None,
+    *,
+    scale: float | None,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This server's backward kernel over all its tasks: dq (Tk, Hq, D), dk and dv (Tkv, Hkv, D) in
+    kernel row order."""
+    ix, dev = prep.index, prep.device_index(q.device)
+    rq, rkv, qi, kvi = ix.recv_q_counts, ix.recv_kv_counts, dev.kernel_q_index, dev.kernel_kv_index
+    # (Tk, Hq, D) x 3, (Tkv, Hkv, D) x 2
+    q_k, o_k, do_k, k_k, v_k = _kernel_rows(
+        [q, out, dout, k, v], received, [rq, rq, rq, rkv, rkv], [qi, qi, qi, kvi, kvi]
+    )
+    return attention_backward(
+        do_k,
+        q_k,
+        k_k,
+        v_k,
+        o_k,
+        lse,
+        prep.cu_seqlens_q,
+        prep.cu_seqlens_k,
+        ix.max_seqlen_q,
+        ix.max_seqlen_k,
+        scale=scale,
+        backend=backend,
+    )
+
+
+@dataclass
+class GradReturn:
+    """Gradients on their way home: the exchange in flight and this rank's own shares."""
+
+    exchange: Exchange | None
+    dq_kernel: torch.Tensor
+    """(Tk, Hq, D): dq of every kernel row (rows of other ranks' queries are in the exchange too)."""
+    dk_local: torch.Tensor
+    """(T_local, Hkv, D) in the accumulation dtype: dk of this rank's own rows from its own kernel."""
+    dv_local: torch.Tensor
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def return_grads(
+    prep: PreparedAttention,
+    dq_kernel: torch.Tensor,
+    dk_kernel: torch.Tensor,
+    dv_kernel: torch.Tensor,
+    group: Any,
+    *,
+    async_op: bool = False,
+) -> GradReturn:
+    """Sum dk/dv over the tasks of this server that read each KV row, then send dq to the query owners
+    and dk/dv to the KV owners (one all-to-all-v)."""
+    ix, dev = prep.index, prep.device_index(dq_kernel.device)
+    acc = _accumulation_dtype(dk_kernel.dtype)
+    pool_rows = ix.num_local + sum(ix.recv_kv_counts)
+    dk_pool = dk_kernel.new_zeros(pool_rows, *dk_kernel.shape[1:], dtype=acc)  # (T_local + R_kv, Hkv, D)
+    dv_pool = dk_pool.clone()
+    dk_pool.index_add_(0, dev.kernel_kv_index, dk_kernel.to(acc))
+    dv_pool.index_add_(0, dev.kernel_kv_index, dv_kernel.to(acc))
+    exchange = None
+    if prep.communicates:
+        dtype, n = dk_kernel.dtype, ix.num_local
+        streams = [
+            (dq_kernel.index_select(0, dev.out_send_index), ix.out_send_counts),  # (No, Hq, D)
+            (dk_pool[n:].to(dtype), ix.recv_kv_counts),  # (R_kv, Hkv, D), in the order they arrived
+            (dv_pool[n:].to(dtype), ix.recv_kv_counts),
+        ]
+        recv = [ix.out_recv_counts, ix.send_kv_counts, ix.send_kv_counts]
+        exchange = _start(streams, recv, group, async_op)
+    return GradReturn(exchange, dq_kernel, dk_pool[: ix.num_local], dv_pool[: ix.num_local])
+
+
+def gather_grads(
+    prep: PreparedAttention, pending: GradReturn, kv_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of this rank's rows in local order: own shares plus the returned ones (dk/dv of a row
+    read by several servers summed)."""
+    ix, dev = prep.index, prep.device_index(pending.dq_kernel.device)
+    dk, dv = pending.dk_local, pending.dv_local
+    if pending.exchange is None:
+        dq = pending.dq_kernel.index_select(0, dev.out_gather)
+        return dq, dk.to(kv_dtype), dv.to(kv_dtype)
+    q_shape, kv_shape = pending.dq_kernel.shape[1:], dk.shape[1:]
+    dq_back, dk_back, dv_back = _unpack(
+        pending.exchange.wait(),
+        [ix.out_recv_counts, ix.send_kv_counts, ix.send_kv_counts],
+        [q_shape, kv_shape, kv_shape],
+    )
+    dq = torch.cat([pending.dq_kernel, *dq_back]).index_select(0, dev.out_gather)  # (T_local, Hq, D)
+    dk = dk.index_add(0, dev.send_kv_rows, torch.cat(dk_back).to(dk.dtype))  # (T_local, Hkv, D)
+    dv = dv.index_add(0, dev.send_kv_rows, torch.cat(dv_back).to(dv.dtype))
+    return dq, dk.to(kv_dtype), dv.to(kv_dtype)
