@@ -490,6 +490,12 @@ def test_planner_with_measured_cost():
     check_plan(plan, layout, cfg, cost)
     simulate(plan, layout)
     assert plan.moves > 0 and plan.imbalance_after < plan.imbalance_before / 2
+    # pairs are reported in pairs whatever the cost model (the engine's FLOP figures read them)
+    assert plan.pairs_before == [causal_pairs(0, n) for n in lens]
+    assert plan.pairs_after == [sum(causal_pairs(t.q_start, t.q_end) for t in ts) for ts in plan.tasks]
+    assert sum(plan.pairs_after) == sum(plan.pairs_before)
+    pairs_plan = _plan(pieces, cfg)
+    assert pairs_plan.pairs_before == pairs_plan.load_before
 
 
 def test_cost_table_file_round_trip_and_config(tmp_path):

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from hf_distca.config import KERNEL_BACKENDS, DistCAConfig
+from hf_distca.planning.cost import cost_model_from_config
 
 Pieces = list[tuple[int, int, int]]
 
@@ -178,7 +179,10 @@ def _decode(tag: int, payload: int, known: dict[int, str]) -> str:
 
 
 def _config_fields(config: DistCAConfig) -> list[tuple[str, Any]]:
-    return [(f.name, getattr(config, f.name)) for f in dataclasses.fields(config)]
+    """Every config field, plus the cost model it loads (the same cost_table path may hold different
+    tables on different ranks; the model's repr carries its table's hash)."""
+    fields = [(f.name, getattr(config, f.name)) for f in dataclasses.fields(config)]
+    return [*fields, ("cost model", repr(cost_model_from_config(config)))]
 
 
 def check_vector(info: LocalInputs, config: DistCAConfig) -> list[int]:

@@ -37,7 +37,13 @@ from hf_distca.engine.consistency import (
     digest64,
     raise_on_disagreement,
 )
-from hf_distca.planning import CorePlan, DispatchIndex, build_dispatch_index, plan_core_attention
+from hf_distca.planning import (
+    CorePlan,
+    DispatchIndex,
+    build_dispatch_index,
+    cost_model_from_config,
+    plan_core_attention,
+)
 
 _PLAN_CACHE_SIZE = 8
 _SEEN_LAYOUTS = 16
@@ -207,7 +213,9 @@ def _planned(
 ) -> PreparedAttention:
     q_heads, head_dim, kv_heads = q.shape[1], q.shape[2], k.shape[1]
     elem = q.element_size()
-    key = (digest, rank, len(all_pieces), q_heads, kv_heads, head_dim, elem, config)
+    cost_model = cost_model_from_config(config)
+    # the cost model's repr carries its table's hash: a table rewritten in place plans anew
+    key = (digest, rank, len(all_pieces), q_heads, kv_heads, head_dim, elem, config, repr(cost_model))
     hit = _plan_cache.get(key)
     if hit is not None:
         _plan_cache.move_to_end(key)
@@ -218,10 +226,11 @@ def _planned(
         q_row_bytes=q_heads * head_dim * elem,
         kv_row_bytes=2 * kv_heads * head_dim * elem,
         config=config,
+        cost_model=cost_model,
     )
     index = build_dispatch_index(plan, rank)
     metrics.record_plan(time.perf_counter() - t0)
-    flops_per_pair = 4.0 * q_heads * head_dim  # plan loads are causal (query, key) pairs
+    flops_per_pair = 4.0 * q_heads * head_dim
     prepared = PreparedAttention(
         plan=plan,
         index=index,
@@ -230,8 +239,8 @@ def _planned(
         head_dim=head_dim,
         cu_seqlens_q=torch.as_tensor(index.cu_seqlens_q, dtype=torch.int32),
         cu_seqlens_k=torch.as_tensor(index.cu_seqlens_k, dtype=torch.int32),
-        flops_before=[x * flops_per_pair for x in plan.load_before],
-        flops_after=[x * flops_per_pair for x in plan.load_after],
+        flops_before=[x * flops_per_pair for x in plan.pairs_before],
+        flops_after=[x * flops_per_pair for x in plan.pairs_after],
     )
     _plan_cache[key] = prepared
     if len(_plan_cache) > _PLAN_CACHE_SIZE:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from hf_distca.config import DistCAConfig
-from hf_distca.planning.cost import CausalPairsCost
+from hf_distca.planning.cost import CausalPairsCost, causal_pairs
 from hf_distca.planning.pieces import DocIndex
 
 
@@ -46,6 +46,11 @@ class CorePlan:
     """Per server: cost of attention it would compute with no balancing (its own pieces)."""
     load_after: list[float]
     """Per server: cost of the tasks assigned to it."""
+    pairs_before: list[int]
+    """Per server: causal (query, key) pairs of its own pieces (``load_before`` in pairs, whatever the
+    cost model; times 4 x heads x head_dim gives forward FLOPs)."""
+    pairs_after: list[int]
+    """Per server: causal (query, key) pairs of the tasks assigned to it."""
     q_row_bytes: int
     kv_row_bytes: int
     moves: int = 0
@@ -154,6 +159,7 @@ def plan_core_attention(
     for s in servers:
         s.load = sum(cost.task_cost(a, b) for ivs in s.intervals.values() for a, b in ivs)
     load_before = [s.load for s in servers]
+    pairs_before = [sum(causal_pairs(a, b) for ivs in s.intervals.values() for a, b in ivs) for s in servers]
 
     moves = 0
     total = sum(load_before)
@@ -189,12 +195,15 @@ def plan_core_attention(
             need[t.doc_id] = max(need.get(t.doc_id, 0), t.q_end)
         kv_prefix.append(need)
     load_after = [sum(cost.task_cost(t.q_start, t.q_end) for t in ts) for ts in tasks]
+    pairs_after = [sum(causal_pairs(t.q_start, t.q_end) for t in ts) for ts in tasks]
     plan = CorePlan(
         index=index,
         tasks=tasks,
         kv_prefix=kv_prefix,
         load_before=load_before,
         load_after=load_after,
+        pairs_before=pairs_before,
+        pairs_after=pairs_after,
         q_row_bytes=q_row_bytes,
         kv_row_bytes=kv_row_bytes,
         moves=moves,
