@@ -7,10 +7,13 @@ bandwidth per GPU) and prices every rank's work:
 - systems (how each is run through recipes/finetune_long_docs.py is in benchmarks/suite.py):
   ``hf-default`` (hf_distca.data.baselines.hf_default_layout, attention local to each piece: documents
   longer than a rank's budget become independent chunks, the math differs), ``exact-unbalanced`` (the
-  rebatcher's layout, DistCA's engine with balancing off: each rank computes its own pieces, fetching
-  the KV prefix of pieces cut over ranks), ``balanced`` (WLB-LLM-style balanced packing,
-  hf_distca.data.baselines.balanced_layout, run like exact-unbalanced) and ``distca`` (the rebatcher's
-  layout and the real planner, ``hf_distca.plan_core_attention``, tolerance 0.1).
+  rebatcher's layout, DistCA's engine with balancing off, ``DistCAConfig(max_planner_moves=0)``: each
+  rank computes its own pieces, fetching the KV prefix of pieces cut over ranks), ``balanced``
+  (WLB-LLM-style balanced packing, hf_distca.data.baselines.balanced_layout, run like
+  exact-unbalanced), ``distca`` (the rebatcher's layout and the real planner,
+  ``hf_distca.plan_core_attention``, ``--tolerance``, default 0.1) and ``distca-pingpong`` (a
+  projection: distca with each micro-batch's communication hidden under its compute as far as that
+  lasts, which ping-pong nano-batches would do; hf_distca does not implement it).
 - core attention: every CA-task (queries [a, b) of a document over keys [0, b)) costs its causal
   (query, key) pairs over the measured rate of its shape, per layer: forward + backward (the
   ``remat`` recompute mode, rematerialization-aware checkpointing: attention is not run again) or
@@ -114,19 +117,20 @@ class System:
     """Key of hf_distca.data.baselines.LAYOUTS."""
     disaggregate: bool
     """Through DistCA's engine (exact, a collective per layer) or attention local to each piece."""
-    tolerance: float
-    """DistCAConfig.tolerance of the planner (9.9: nothing moves)."""
+    balance: bool
+    """Whether the planner moves work (False: ``DistCAConfig(max_planner_moves=0)``, each rank computes
+    its own pieces)."""
     overlap: bool = False
     """Communication hidden under compute as far as compute lasts (ping-pong): a projection, not
     implemented in hf_distca; off for every measured system."""
 
 
 SYSTEM_SPECS = {
-    "hf-default": System("hf-default", "hf-default", False, 9.9),
-    "exact-unbalanced": System("exact-unbalanced", "distca", True, 9.9),
-    "balanced": System("balanced", "balanced", True, 9.9),
-    "distca": System("distca", "distca", True, DistCAConfig().tolerance),
-    "distca-pingpong": System("distca-pingpong", "distca", True, DistCAConfig().tolerance, overlap=True),
+    "hf-default": System("hf-default", "hf-default", False, False),
+    "exact-unbalanced": System("exact-unbalanced", "distca", True, False),
+    "balanced": System("balanced", "balanced", True, False),
+    "distca": System("distca", "distca", True, True),
+    "distca-pingpong": System("distca-pingpong", "distca", True, True, overlap=True),
 }
 
 
@@ -337,7 +341,10 @@ def phases(q: np.ndarray, kv: np.ndarray, recompute: str) -> list[np.ndarray]:
     return forward + (forward if recompute == "full" else []) + backward
 
 
-def simulate_micro_batch(system: System, lengths: Sequence[int], s: Setting) -> MicroBatch:
+def simulate_micro_batch(
+    system: System, lengths: Sequence[int], s: Setting, tolerance: float | None = None
+) -> MicroBatch:
+    """One micro-batch of ``system``; ``tolerance``: the planner's (default DistCAConfig's)."""
     pieces = LAYOUTS[system.layout](lengths, world_size=s.world, tokens_per_rank=s.tokens_per_rank)
     forwards_again = 1 if s.recompute == "full" else 0  # plain recompute runs the forward a second time
 
@@ -354,7 +361,10 @@ def simulate_micro_batch(system: System, lengths: Sequence[int], s: Setting) -> 
         pieces,
         q_row_bytes=s.model.q_row_bytes,
         kv_row_bytes=s.model.kv_row_bytes,
-        config=DistCAConfig(tolerance=system.tolerance),
+        config=DistCAConfig(
+            tolerance=DistCAConfig().tolerance if tolerance is None else tolerance,
+            max_planner_moves=DistCAConfig().max_planner_moves if system.balance else 0,
+        ),
     )
     attention = np.array([sum(seconds(t.q_len, t.q_end) for t in tasks) for tasks in plan.tasks]) * layers
     q, kv = traffic(plan, s.model.q_row_bytes, s.model.kv_row_bytes)
@@ -399,9 +409,7 @@ def simulate(
         exact_busy = np.zeros(s.world)
         for name in dict.fromkeys([*systems, "exact-unbalanced"]):
             system = SYSTEM_SPECS[name]
-            if tolerance is not None and system.layout == "distca" and system.tolerance < 9.9:
-                system = dataclasses.replace(system, tolerance=tolerance)
-            mbs = [simulate_micro_batch(system, lengths, s) for lengths in step]
+            mbs = [simulate_micro_batch(system, lengths, s, tolerance) for lengths in step]
             busy = sum(mb.linear + mb.attention for mb in mbs)
             compute = [mb.linear.max() + mb.attention.max() for mb in mbs]
             if not system.disaggregate:  # ranks meet only at the gradient reduction
@@ -548,7 +556,7 @@ def write_report(rows: list[Row], info: dict, args, command: str) -> str:
         "",
         "Systems: hf-default (each rank packs whole documents in order, attention local to each piece; "
         "documents longer than the budget become independent chunks: **the math differs**), "
-        "exact-unbalanced (rebatcher layout, DistCA engine with balancing off), balanced (WLB-LLM-style "
+        "exact-unbalanced (rebatcher layout, DistCA engine with balancing off: max_planner_moves=0), balanced (WLB-LLM-style "
         "balanced packing with per-document context parallelism, exact), distca (rebatcher layout, "
         f"planner tolerance {args.tolerance:g}), distca-pingpong (**a projection of a feature hf_distca does not have "
         "yet**: distca's plans with each micro-batch's communication hidden under its compute as far as "

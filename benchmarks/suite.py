@@ -10,8 +10,10 @@ hf-default         ``recipes/finetune_long_docs.py --layout hf-default --attn lo
                    each rank packs whole documents in dataset order up to its budget, varlen kernel
                    (the same torch varlen kernel as DistCA); documents longer than the budget become
                    independent chunks: **the math differs** (hf_distca.data.baselines)
-exact-unbalanced   ``--tolerance 9.9``: DistCA's data path and exact cross-rank attention, balancing off
-balanced           ``--layout balanced --tolerance 9.9``: WLB-LLM-style balanced packing, long documents
+exact-unbalanced   ``--max-planner-moves 0``: DistCA's data path and exact cross-rank attention, balancing
+                   off (``--tolerance 9.9`` is not off: the planner still moves work once a rank holds
+                   more than 10.9x the mean, as with ProLong's 300K-token documents on 512 GPUs)
+balanced           ``--layout balanced --max-planner-moves 0``: WLB-LLM-style balanced packing, long documents
                    split head/tail over ranks (per-document context parallelism), exact through DistCA's
                    engine with balancing off
 distca             the recipe's defaults (planner tolerance 0.1; rematerialization-aware checkpointing
@@ -83,8 +85,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYSTEM_RUNS = {
     # system -> (recipe, its flags)
     "hf-default": ("recipes/finetune_long_docs.py", ["--layout", "hf-default", "--attn", "local"]),
-    "exact-unbalanced": ("recipes/finetune_long_docs.py", ["--tolerance", "9.9"]),
-    "balanced": ("recipes/finetune_long_docs.py", ["--layout", "balanced", "--tolerance", "9.9"]),
+    "exact-unbalanced": ("recipes/finetune_long_docs.py", ["--max-planner-moves", "0"]),
+    "balanced": ("recipes/finetune_long_docs.py", ["--layout", "balanced", "--max-planner-moves", "0"]),
     "distca": ("recipes/finetune_long_docs.py", []),
     "distca-sft": ("recipes/sft_trl.py", []),
 }
@@ -134,6 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--kernel-table", default=None, help="JSON from python -m hf_distca.calibrate (prediction)"
+    )
+    p.add_argument(
+        "--recompute",
+        choices=("remat", "full"),
+        default="remat",
+        help="how the prediction prices checkpointing: remat (hf_distca's rematerialization-aware "
+        "checkpointing) or full (plain recompute, where hf_distca has no remat yet)",
     )
     p.add_argument("--runs-dir", default=None, help="default: outputs/suite/<name>")
     p.add_argument("--results-dir", default=os.path.join(ROOT, "benchmarks", "results"))
@@ -310,9 +319,8 @@ def predict(args, sample: list[int], tokens_per_rank: int, systems: Sequence[str
     )
     intra = ((1.0, sim.HOST_STAGED_GIBPS),) if args.link == "host" else sim.NVLINK_ALL_TO_ALL
     links = sim.Links(gpus_per_node=max(args.gpus, 1), intra=intra)
-    setting = sim.Setting(
-        args.gpus, tokens_per_rank, model, kernels, links, sim.LinearCost.from_measurements(kernels)
-    )
+    linear = sim.LinearCost.from_measurements(kernels)
+    setting = sim.Setting(args.gpus, tokens_per_rank, model, kernels, links, linear, recompute=args.recompute)
     lengths = draw_lengths(sample, documents_for(sample, args.steps, args.gpus * tokens_per_rank), args.seed)
     steps = global_batches(lengths, world_size=args.gpus, tokens_per_rank=tokens_per_rank, grad_accum=1,
                            seed=args.seed, steps=args.steps)  # fmt: skip
@@ -365,8 +373,12 @@ def write_report(
         "attention / (time x GPUs x 989 TFLOP/s)), peak memory (max over ranks), attention imbalance (planned "
         "FLOPs max/mean; for hf-default the full-context load of its pieces, more than it computes), GiB sent "
         "per step (busiest rank). Predicted (benchmarks/simulate.py on the same batches; "
-        + ("kernel table " + args.kernel_table if args.kernel_table else "kernels_h200.md figures")
-        + "): step time, busy-time imbalance, exposed communication. Ideal speedup: the simulator's "
+        + (
+            "kernel table " + sim.portable(args.kernel_table)
+            if args.kernel_table
+            else "kernels_h200.md figures"
+        )
+        + f", recompute {args.recompute}): step time, busy-time imbalance, exposed communication. Ideal speedup: the simulator's "
         "exact-unbalanced / ideal (perfect balance, no exposed communication); share of ideal gain: "
         "(measured speedup - 1) / (ideal speedup - 1), both against measured exact-unbalanced.",
         "",

@@ -109,7 +109,7 @@ def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
         default="distca",
         help="how each global micro-batch is laid out over the ranks: distca (the rebatcher, default), "
         "hf-default (each rank packs whole documents in order; run with --attn local) or balanced "
-        "(WLB-LLM-style balanced packing; run with --tolerance 9.9); see hf_distca.data.baselines",
+        "(WLB-LLM-style balanced packing; run with --max-planner-moves 0); see hf_distca.data.baselines",
     )
     p.add_argument(
         "--liger",

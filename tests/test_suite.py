@@ -18,6 +18,8 @@ import finetune_long_docs as recipe  # noqa: E402
 import sft_trl  # noqa: E402
 import suite  # noqa: E402
 
+from hf_distca.config import DistCAConfig  # noqa: E402
+
 REL = 1e-9
 
 
@@ -54,19 +56,21 @@ def test_every_system_is_a_recipe_command_on_the_same_data(tmp_path):
         (w, s) for w in ("tiny", "long-mix") for s in suite.SYSTEM_RUNS
     ]
     assert os.path.exists(tmp_path / "runs" / "long-mix.json")  # the generated sample the recipe reads
-    expect = {  # system -> (attn, layout, tolerance, liger) the recipe sees
-        "hf-default": ("local", "hf-default", 0.1, True),
-        "exact-unbalanced": ("distca", "distca", 9.9, True),
-        "balanced": ("distca", "balanced", 9.9, True),
-        "distca": ("distca", "distca", 0.1, True),
-        "distca-sft": ("distca", "distca", 0.1, False),
+    moves = DistCAConfig().max_planner_moves
+    expect = {  # system -> (attn, layout, planner moves, liger) the recipe sees
+        "hf-default": ("local", "hf-default", moves, True),
+        "exact-unbalanced": ("distca", "distca", 0, True),
+        "balanced": ("distca", "balanced", 0, True),
+        "distca": ("distca", "distca", moves, True),
+        "distca-sft": ("distca", "distca", moves, False),
     }
     for run in runs:
         launcher, rest = run.command[:6], run.command[6:]
         assert launcher[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
         parser = sft_trl.build_parser if rest[0].endswith("sft_trl.py") else recipe.build_parser
         parsed = parser().parse_args(rest[1:])
-        assert (parsed.attn, parsed.layout, parsed.tolerance, parsed.liger) == expect[run.system]
+        assert (parsed.attn, parsed.layout, parsed.max_planner_moves, parsed.liger) == expect[run.system]
+        assert parsed.tolerance == DistCAConfig().tolerance
         assert (parsed.model, parsed.num_layers, parsed.tokens_per_rank, parsed.bf16) == (
             "llama3-8b-shaped",
             2,

@@ -17,8 +17,8 @@ differs. Pure functions, no processes.
   go, most expensive first, to the rank with the least estimated step cost (linear per-token cost +
   causal attention cost), and a document whose attention alone exceeds a rank's fair share is split
   head/tail over several ranks (per-document context parallelism). Exact when run through DistCA's
-  engine with balancing off (``DistCAConfig(tolerance=9.9)``): a tail piece gets its KV prefix from
-  the ranks holding the head.
+  engine with balancing off (``DistCAConfig(max_planner_moves=0)``): a tail piece gets its KV prefix
+  from the ranks holding the head.
 """
 
 from __future__ import annotations
