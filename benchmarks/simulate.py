@@ -270,9 +270,12 @@ class LinearCost:
     source: str = "given"
 
     @classmethod
-    def from_measurements(cls, kernels: KernelTable) -> LinearCost:
+    def from_measurements(cls) -> LinearCost:
         """Fit to DESIGN.md's measurements: the 4-layer stack's step minus its attention (forward twice
-        plus backward: gradient checkpointing recomputed attention), then the 8-layer figure."""
+        plus backward: gradient checkpointing recomputed attention), priced with the kernel those
+        measurements ran (kernels_h200.md, FlashAttention-2 varlen, whatever table prices the
+        simulated attention), then the 8-layer figure."""
+        kernels = KernelTable.from_kernel_rows()
         rest = []
         for length, seconds in STRAGGLER_4_LAYERS.items():
             fwd, fwd_bwd = kernels.task_seconds(length, length)
@@ -479,7 +482,7 @@ def run_grid(args, log=print) -> tuple[list[Row], dict]:
     if args.linear_us_per_token_layer is not None:
         linear = LinearCost(args.linear_us_per_token_layer * 1e-6, args.linear_us_per_token_fixed * 1e-6)
     else:
-        linear = LinearCost.from_measurements(kernels)
+        linear = LinearCost.from_measurements()
     intra = ((1.0, HOST_STAGED_GIBPS),) if args.intra_link == "host" else NVLINK_ALL_TO_ALL
     rows = []
     for spec in args.workload:

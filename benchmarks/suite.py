@@ -44,22 +44,25 @@ as the share of the ideal gain it reaches. Per-rank busy time and exposed commun
 measured by the recipe: those columns are the simulator's.
 
 On the GPU machine (2 x H200 now; any N: ``--gpus N``), from the repository root, with liger-kernel
-(and, for distca-sft, trl and datasets) importable, e.g. one workload per call to stay under 10 minutes:
+(and, for distca-sft, trl and datasets) importable, e.g. one workload per call to stay under 10 minutes
+(``--calibrate`` measures the kernel table of the backend the runs use once, ~1-2 minutes, and the
+prediction and the ideal are priced with it):
 
-    python benchmarks/suite.py --name 2xh200 --gpus 2 --workload pretrain=DATA/doclens_pretrain.json \\
+    python benchmarks/suite.py --name 2xh200 --gpus 2 --calibrate --workload pretrain=DATA/doclens_pretrain.json \\
         --tokens-per-rank 65536 --layers 16 --steps 6
-    python benchmarks/suite.py --name 2xh200 --gpus 2 --workload prolong=DATA/doclens_prolong.json \\
+    python benchmarks/suite.py --name 2xh200 --gpus 2 --calibrate --workload prolong=DATA/doclens_prolong.json \\
         --tokens-per-rank 65536 --layers 16 --steps 6
-    python benchmarks/suite.py --name 2xh200 --gpus 2 --workload long-mix --tokens-per-rank 65536 \\
+    python benchmarks/suite.py --name 2xh200 --gpus 2 --calibrate --workload long-mix --tokens-per-rank 65536 \\
         --layers 16 --steps 6
-    python benchmarks/suite.py --name 2xh200 --gpus 2 --workload pretrain=DATA/doclens_pretrain.json \\
+    python benchmarks/suite.py --name 2xh200 --gpus 2 --calibrate --workload pretrain=DATA/doclens_pretrain.json \\
         --workload prolong=DATA/doclens_prolong.json --workload long-mix --tokens-per-rank 65536 \\
         --layers 16 --steps 6 --report-only
 
-(add ``--tokens-per-rank 32768 65536`` for both budgets; ``--link host`` repeats the runs with
-``NCCL_P2P_DISABLE=1`` and prices the simulator's link accordingly; ``--kernel-table FILE`` uses a
-table from ``python -m hf_distca.calibrate`` for the prediction and the ideal.) ``--dry-run`` prints
-the recipe commands without running them.
+(DATA: the directory of the shared length samples. Add ``--tokens-per-rank 32768 65536`` for both
+budgets; ``--link host`` repeats the runs with ``NCCL_P2P_DISABLE=1`` and prices the simulator's link
+accordingly; ``--layers 32 --accelerate-config accelerate_configs/fsdp2_1node.yaml`` if 16 layers fit
+easily; ``--systems`` splits a workload's runs over several calls.) ``--dry-run`` prints the commands
+without running them.
 """
 
 from __future__ import annotations
@@ -138,6 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--kernel-table", default=None, help="JSON from python -m hf_distca.calibrate (prediction)"
     )
     p.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure the kernel table on this GPU first (python -m hf_distca.calibrate, with the backend "
+        "the runs use) into the runs dir, once, and price the prediction with it",
+    )
+    p.add_argument(
         "--recompute",
         choices=("remat", "full"),
         default="remat",
@@ -163,8 +172,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(f"--skip ({args.skip}) must leave at least one of the --steps ({args.steps}) measured")
     if args.dry_run and args.report_only:
         p.error("--dry-run and --report-only exclude each other")
+    if args.calibrate and args.kernel_table:
+        p.error("--calibrate writes the kernel table itself: leave out --kernel-table")
     args.runs_dir = args.runs_dir or os.path.join(ROOT, "outputs", "suite", args.name)
+    if args.calibrate:
+        args.kernel_table = os.path.join(args.runs_dir, "cost_table.json")
     return args
+
+
+def calibration_command(args) -> list[str] | None:
+    """The command that measures the kernel table (--calibrate), None when it exists or is not asked for."""
+    if not args.calibrate or os.path.exists(args.kernel_table):
+        return None
+    return [sys.executable, "-m", "hf_distca.calibrate", "--out", args.kernel_table]
 
 
 def workload_files(args) -> dict[str, tuple[str, list[int]]]:
@@ -319,7 +339,7 @@ def predict(args, sample: list[int], tokens_per_rank: int, systems: Sequence[str
     )
     intra = ((1.0, sim.HOST_STAGED_GIBPS),) if args.link == "host" else sim.NVLINK_ALL_TO_ALL
     links = sim.Links(gpus_per_node=max(args.gpus, 1), intra=intra)
-    linear = sim.LinearCost.from_measurements(kernels)
+    linear = sim.LinearCost.from_measurements()
     setting = sim.Setting(args.gpus, tokens_per_rank, model, kernels, links, linear, recompute=args.recompute)
     lengths = draw_lengths(sample, documents_for(sample, args.steps, args.gpus * tokens_per_rank), args.seed)
     steps = global_batches(lengths, world_size=args.gpus, tokens_per_rank=tokens_per_rank, grad_accum=1,
@@ -494,12 +514,20 @@ def main(argv: Sequence[str] | None = None) -> str | None:
     args = parse_args(argv)
     files = workload_files(args)
     runs = plan_runs(args, files)
+    calibrate = calibration_command(args)
     if args.dry_run:
+        if calibrate:
+            print(shlex.join(calibrate))
         for run in runs:
             prefix = "".join(f"{k}={v} " for k, v in run.env.items())
             print(f"{prefix}{shlex.join(run.command)}")
         return None
     statuses = {}
+    if calibrate and not args.report_only:
+        os.makedirs(args.runs_dir, exist_ok=True)
+        subprocess.run(calibrate, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), check=True)
+    if args.kernel_table and not os.path.exists(args.kernel_table):
+        raise SystemExit(f"no kernel table at {args.kernel_table}: run without --report-only first")
     if not args.report_only:
         for run in runs:
             statuses[run.out_dir] = execute(run, args.steps, args.timeout)

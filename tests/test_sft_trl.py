@@ -113,7 +113,7 @@ def test_sft_config_must_leave_the_batches_to_distca(tmp_path):
     from sft_trl import token_id_tokenizer
 
     docs = datasets.Dataset.from_list([{"input_ids": list(range(1, 200))}] * 8)
-    base = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, gradient_checkpointing=False, report_to=[],
+    base = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], **{load_recipe()._CHECKPOINTING_ARG: False},
                 max_steps=1, padding_free=False, packing=False, dataset_kwargs={"skip_prepare_dataset": True})  # fmt: skip
     for change, named in (
         ({"packing": True}, "packing=True"),

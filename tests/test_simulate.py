@@ -33,7 +33,7 @@ def setting(world=2, tokens_per_rank=8192, layers=4, **links):
     kernels = sim.KernelTable.from_kernel_rows()
     return sim.Setting(
         world, tokens_per_rank, sim.ModelShape(layers=layers), kernels, sim.Links(**links),
-        sim.LinearCost.from_measurements(kernels),
+        sim.LinearCost.from_measurements(),
     )  # fmt: skip
 
 
@@ -99,7 +99,7 @@ def test_traffic_matrices_add_up_to_the_planners_byte_counts():
 
 def test_linear_fit_reproduces_its_measurements():
     kernels = sim.KernelTable.from_kernel_rows()
-    linear = sim.LinearCost.from_measurements(kernels)
+    linear = sim.LinearCost.from_measurements()
     assert linear.seconds(65536, 8) == pytest.approx(sim.NON_ATTENTION_8_LAYERS, rel=REL)
     for length, seconds in sim.STRAGGLER_4_LAYERS.items():
         fwd, fwd_bwd = kernels.task_seconds(length, length)

@@ -39,6 +39,7 @@ def test_arguments_are_checked(tmp_path, capsys):
         (["--tokens-per-rank", "64"], "--tokens-per-rank must be >= 128"),
         (["--dry-run", "--report-only"], "exclude each other"),
         (["--systems", "ulysses"], "invalid choice"),
+        (["--calibrate", "--kernel-table", "t.json"], "leave out --kernel-table"),
     ):
         with pytest.raises(SystemExit):
             suite.parse_args(base_argv(tmp_path, *extra))
@@ -93,10 +94,14 @@ def test_every_system_is_a_recipe_command_on_the_same_data(tmp_path):
 
 
 def test_dry_run_prints_commands_and_runs_nothing(tmp_path, capsys):
-    assert suite.main(base_argv(tmp_path, "--dry-run", "--workload", "long-mix")) is None
+    assert suite.main(base_argv(tmp_path, "--dry-run", "--workload", "long-mix", "--calibrate")) is None
     out = capsys.readouterr().out.strip().splitlines()
-    assert len(out) == 8 and all("recipes/finetune_long_docs.py" in line for line in out)
+    table = str(tmp_path / "runs" / "cost_table.json")
+    assert out[0].endswith(f"-m hf_distca.calibrate --out {table}")  # measured once, before the runs
+    assert len(out) == 9 and all("recipes/finetune_long_docs.py" in line for line in out[1:])
     assert not (tmp_path / "runs").exists() and not (tmp_path / "results").exists()
+    with pytest.raises(SystemExit, match="no kernel table"):
+        suite.main(base_argv(tmp_path, "--report-only", "--calibrate"))
 
 
 def test_execute_keeps_finished_runs_and_reports_failures(tmp_path):
