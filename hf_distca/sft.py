@@ -16,7 +16,10 @@ changed silently.
 
 from __future__ import annotations
 
-from trl import SFTConfig, SFTTrainer
+try:
+    from trl import SFTConfig, SFTTrainer
+except ImportError as err:  # an optional dependency
+    raise ImportError("hf_distca.sft needs TRL >= 1.16: pip install -e .[trl]") from err
 
 from hf_distca.trainer import DistCATrainerMixin
 

@@ -79,6 +79,10 @@ def test_links_interpolate_the_measured_points_and_separate_nodes():
     bw = 140 * (1 / 16) ** slope
     assert links.intra_seconds(np.array([small]))[0] == pytest.approx(small / (bw * 2**30), rel=REL)
     assert links.intra_seconds(np.array([2**32]))[0] == pytest.approx(2**32 / (307 * 2**30), rel=REL)
+    host = sim.Links(intra=((1.0, sim.HOST_STAGED_GIBPS),))  # --intra-link host: one flat figure
+    assert host.intra_seconds(np.array([2**20, 2**30])) == pytest.approx(
+        [2**20 / (22 * 2**30), 1 / 22], rel=REL
+    )
     # 4 GPUs on 2 nodes: rank 0 sends 1 GiB to rank 1 (same node) and 2 GiB to rank 2 (other node);
     # both move at once, the slower decides; self-traffic is free
     m = np.zeros((4, 4))
