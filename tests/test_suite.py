@@ -118,6 +118,11 @@ def test_execute_keeps_finished_runs_and_reports_failures(tmp_path):
     with open(tmp_path / "r" / "metrics.jsonl", "w") as f:
         f.writelines(json.dumps({"step": i}) + "\n" for i in (1, 2))
     assert suite.execute(run, steps=2, timeout=60) == "kept"  # the failing command did not run again
+    ok = suite.Run(
+        "w", 4096, "distca", str(tmp_path / "ok"), [sys.executable, "-c", "print('trained')"], {"X": "1"}
+    )
+    assert suite.execute(ok, steps=2, timeout=60, log=lambda *a: None) == "ok"
+    assert (tmp_path / "ok" / "run.log").read_text() == "trained\n"
 
 
 def fake_run(out_dir, step_times, loss=10.0, bytes_sent=(0, 0), peak=(30.0, 31.5), imbalance=1.1):
