@@ -25,7 +25,7 @@ bandwidth per GPU) and prices every rank's work:
   forward+backward; the forward alone is then taken as 1/3.5 of it, the FLOP ratio).
 - everything else (projections, MLP, norms, LM head and loss, optimizer), linear in tokens:
   ``layers x per_layer + fixed`` seconds per token, fitted to this project's H200 measurements
-  (/work/shared/DESIGN.md "Measured": a 4-layer Llama-3-8B-shaped stack took 1.33 / 1.52 / 2.23 / 3.18 s
+  (the project design notes, DESIGN.md "Measured": a 4-layer Llama-3-8B-shaped stack took 1.33 / 1.52 / 2.23 / 3.18 s
   for 64K tokens as 32 x 2K / 8 x 8K / 2 x 32K / 1 x 64K documents with gradient checkpointing; minus
   the kernel table's attention (forward twice + backward) that leaves ~1.26 s for every mix; and an
   8-layer run's non-attention part was ~2.3 s per 64K tokens): ~3.97 us per token per layer plus
