@@ -9,7 +9,7 @@ from hf_distca.checkpointing import enable_remat_checkpointing, remat_checkpoint
 from hf_distca.config import DistCAConfig
 from hf_distca.engine import InconsistentInputError, core_attention, local_attention
 from hf_distca.planning import CATask, CorePlan, Piece, PieceError, plan_core_attention
-from hf_distca.trainer import DistCATrainer
+from hf_distca.trainer import DistCATrainer, DistCATrainerMixin
 
 __all__ = [
     "CATask",
@@ -17,6 +17,7 @@ __all__ = [
     "DistCACallback",
     "DistCAConfig",
     "DistCATrainer",
+    "DistCATrainerMixin",
     "InconsistentInputError",
     "Piece",
     "PieceError",

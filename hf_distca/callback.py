@@ -25,11 +25,13 @@ from hf_distca.attention import enable_distca
 from hf_distca.checkpointing import switch_trainer_checkpointing
 from hf_distca.config import DistCAConfig
 from hf_distca.data.loader import DistCABatches, DistCADataLoader, TokenDocuments
+from hf_distca.data.rebatch import LayoutFn
 from hf_distca.validation import check_launch, check_model_supported
 
 NEEDS_DISTCA_TRAINER = (
     "DistCACallback needs hf_distca.DistCATrainer (a transformers Trainer subclass that feeds it DistCA's "
-    "batches): replace Trainer(...) with hf_distca.DistCATrainer(..., callbacks=[DistCACallback(...)]), "
+    "batches): replace Trainer(...) with hf_distca.DistCATrainer(..., callbacks=[DistCACallback(...)]) "
+    "(TRL's SFTTrainer: hf_distca.sft.DistCASFTTrainer), "
     "or add the callback to a DistCATrainer with trainer.add_callback(...). For plain Accelerate loops use "
     "hf_distca.data.DistCABatches and hf_distca.enable_distca instead."
 )
@@ -66,6 +68,9 @@ class DistCACallback(TrainerCallback):
             plain checkpointing does (for comparison). Default False: rematerialization-aware
             checkpointing keeps each layer's attention output and log-sum-exp instead
             (:mod:`hf_distca.checkpointing`).
+        layout: places each micro-batch's documents on the ranks (default: the rebatcher's
+            ``hf_distca.data.layout_pieces``); benchmarks pass the baselines of
+            :mod:`hf_distca.data.baselines`.
     """
 
     def __init__(
@@ -80,6 +85,7 @@ class DistCACallback(TrainerCallback):
         column: str = "input_ids",
         pad_token_id: int | None = None,
         recompute_attention: bool = False,
+        layout: LayoutFn | None = None,
     ):
         self.config = config or DistCAConfig()
         if not isinstance(tokens_per_rank, int) or tokens_per_rank < self.config.shard_tokens:
@@ -95,6 +101,7 @@ class DistCACallback(TrainerCallback):
         self.column = column
         self.pad_token_id = pad_token_id
         self.recompute_attention = recompute_attention
+        self.layout = layout
         self.records: list[dict] = []
         """The records of the current ``train()`` call (identical on every rank)."""
         self.batches: DistCABatches | None = None
@@ -136,6 +143,7 @@ class DistCACallback(TrainerCallback):
             pad_token_id=int(pad),
             max_steps=max_steps,
             disaggregate=self.disaggregate,
+            layout=self.layout,
         )
         if len(batches) == 0:
             raise ValueError(

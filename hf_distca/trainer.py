@@ -2,9 +2,12 @@
 
 A callback cannot replace the Trainer's training dataloader, see each micro-batch's loss, or add
 figures to the logs before the ``report_to`` integrations (callbacks that run before user callbacks)
-receive them. This subclass overrides the methods Transformers documents for that ("Subclass and
-override"): ``get_train_dataloader``, ``training_step`` and ``log``, plus ``add_callback``; every
-DistCA setting stays in the one :class:`~hf_distca.callback.DistCACallback` the user adds.
+receive them. :class:`DistCATrainerMixin` overrides the methods Transformers documents for that
+("Subclass and override"): ``get_train_dataloader``, ``training_step`` and ``log``, plus
+``add_callback``; every DistCA setting stays in the one :class:`~hf_distca.callback.DistCACallback`
+the user adds. The mixin goes in front of any ``transformers.Trainer`` subclass:
+``DistCATrainer(DistCATrainerMixin, Trainer)`` here, ``DistCASFTTrainer(DistCATrainerMixin, SFTTrainer)``
+in :mod:`hf_distca.sft`.
 """
 
 from __future__ import annotations
@@ -16,30 +19,29 @@ from transformers import Trainer
 from hf_distca.callback import DistCACallback
 from hf_distca.data.loader import DistCADataLoader
 
-_NEEDS_CALLBACK = (
-    "DistCATrainer needs exactly one DistCACallback: DistCATrainer(..., callbacks=[hf_distca.DistCACallback("
-    "tokens_per_rank=...)]) or trainer.add_callback(hf_distca.DistCACallback(...)) before train()"
-)
+
+def _needs_callback(trainer) -> str:
+    name = type(trainer).__name__
+    return (
+        f"{name} needs exactly one DistCACallback: {name}(..., callbacks=[hf_distca.DistCACallback("
+        "tokens_per_rank=...)]) or trainer.add_callback(hf_distca.DistCACallback(...)) before train()"
+    )
 
 
-class DistCATrainer(Trainer):
-    """A ``transformers.Trainer`` that trains with DistCA; takes every Trainer argument unchanged.
-
-    Usage: ``DistCATrainer(model=..., args=..., train_dataset=tokenized_documents,
-    callbacks=[hf_distca.DistCACallback(tokens_per_rank=65536)]).train()``. The callback holds every
-    DistCA setting and may also be added later with ``trainer.add_callback``; ``train()`` without one
-    raises. ``train_dataset`` holds whole tokenized documents (an ``input_ids`` column); the callback
-    builds the token-budget batches from it, so ``per_device_train_batch_size``, ``data_collator`` and
-    the dataloader options do not apply to training.
-    """
+class DistCATrainerMixin:
+    """DistCA's overrides of ``transformers.Trainer``; put it first among the bases of a Trainer
+    subclass (``class T(DistCATrainerMixin, SomeTrainer)``). It takes the constructor arguments of
+    that trainer unchanged and adds none: the ``DistCACallback`` among ``callbacks`` holds every
+    DistCA setting (see :class:`DistCATrainer`)."""
 
     def __init__(self, *args, **kwargs):
-        bound = inspect.signature(Trainer.__init__).bind_partial(self, *args, **kwargs)
+        # the next class's constructor names where `callbacks` sits among the positional arguments
+        bound = inspect.signature(super().__init__).bind_partial(*args, **kwargs)
         callbacks = list(bound.arguments.get("callbacks") or [])
         _refuse_callback_classes(callbacks)
         distca = [cb for cb in callbacks if isinstance(cb, DistCACallback)]
         if len(distca) > 1:
-            raise ValueError(f"got {len(distca)} DistCACallbacks; " + _NEEDS_CALLBACK)
+            raise ValueError(f"got {len(distca)} DistCACallbacks; " + _needs_callback(self))
         for cb in distca:  # before Trainer.__init__, whose on_init_end runs the callback's checks
             cb._bind(self)
         super().__init__(*args, **kwargs)
@@ -49,13 +51,13 @@ class DistCATrainer(Trainer):
         """The DistCACallback of this trainer (ValueError when there is none)."""
         found = self._distca_callback()
         if found is None:
-            raise ValueError(_NEEDS_CALLBACK)
+            raise ValueError(_needs_callback(self))
         return found
 
     def _distca_callback(self) -> DistCACallback | None:
         found = [cb for cb in self.callback_handler.callbacks if isinstance(cb, DistCACallback)]
         if len(found) > 1:
-            raise ValueError(f"got {len(found)} DistCACallbacks; " + _NEEDS_CALLBACK)
+            raise ValueError(f"got {len(found)} DistCACallbacks; " + _needs_callback(self))
         return found[0] if found else None
 
     def add_callback(self, callback) -> None:
@@ -64,7 +66,7 @@ class DistCATrainer(Trainer):
         if isinstance(callback, DistCACallback):
             current = self._distca_callback()
             if current is not None and current is not callback:
-                raise ValueError("this trainer already has a DistCACallback; " + _NEEDS_CALLBACK)
+                raise ValueError("this trainer already has a DistCACallback; " + _needs_callback(self))
             callback._bind(self)
             callback._prepare(self.args, self.model)
         super().add_callback(callback)
@@ -85,6 +87,18 @@ class DistCATrainer(Trainer):
         if callback is not None and "loss" in logs:
             logs.update(callback.log_figures())
         super().log(logs, *args, **kwargs)
+
+
+class DistCATrainer(DistCATrainerMixin, Trainer):
+    """A ``transformers.Trainer`` that trains with DistCA; takes every Trainer argument unchanged.
+
+    Usage: ``DistCATrainer(model=..., args=..., train_dataset=tokenized_documents,
+    callbacks=[hf_distca.DistCACallback(tokens_per_rank=65536)]).train()``. The callback holds every
+    DistCA setting and may also be added later with ``trainer.add_callback``; ``train()`` without one
+    raises. ``train_dataset`` holds whole tokenized documents (an ``input_ids`` column); the callback
+    builds the token-budget batches from it, so ``per_device_train_batch_size``, ``data_collator`` and
+    the dataloader options do not apply to training.
+    """
 
 
 def _refuse_callback_classes(callbacks) -> None:

@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Traini
 
 import hf_distca  # registers attn_implementation="distca"
 from hf_distca.cli import add_config_arguments, config_from_args
+from hf_distca.data.baselines import LAYOUTS
 
 BUILTIN_MODELS = {
     # name: (config overrides for LlamaConfig), random init, no download
@@ -58,8 +59,9 @@ _CHECKPOINTING_ARG = (
 )
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
+    """The recipe's flags (recipes/sft_trl.py takes the same)."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--model",
         default="tiny-llama",
@@ -101,6 +103,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default="outputs/finetune_long_docs")
     p.add_argument("--attn", choices=sorted(ATTN), default="distca")
+    p.add_argument(
+        "--layout",
+        choices=sorted(LAYOUTS),
+        default="distca",
+        help="how each global micro-batch is laid out over the ranks: distca (the rebatcher, default), "
+        "hf-default (each rank packs whole documents in order; run with --attn local) or balanced "
+        "(WLB-LLM-style balanced packing; run with --max-planner-moves 0); see hf_distca.data.baselines",
+    )
+    p.add_argument(
+        "--liger",
+        action="store_true",
+        help="liger-kernel's fused linear cross-entropy (TrainingArguments(use_liger_kernel=True)): the "
+        "logits are never materialized; CUDA GPUs only",
+    )
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument(
         "--recompute-attention",
@@ -117,7 +133,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--resume-from-checkpoint", default=None, help="a checkpoint directory of an earlier run to continue"
     )
     add_config_arguments(p)  # every DistCAConfig field, e.g. --tolerance, --shard-tokens, --backend
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 @contextlib.contextmanager
@@ -293,10 +313,39 @@ def load_and_tokenize(args, training_args):
     return tokenizer, documents
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
+LIGER_CONFIG = {"fused_linear_cross_entropy": True, "cross_entropy": False, "rope": False, "rms_norm": False,
+                "swiglu": False}  # fmt: skip
+"""--liger: only the fused linear cross-entropy. It scores the batch's pre-shifted ``shift_labels`` and
+divides by the Trainer's ``num_items_in_batch`` (liger-kernel's ``LigerForCausalLMLoss``), the same
+normalisation as the model's own loss; the layer kernels (RoPE, RMSNorm, SwiGLU) are left out: they
+replace Transformers module classes process-wide and are a separate speed choice."""
+
+
+def check_liger(args, use_cpu: bool, model_type: str | None = None) -> None:
+    """--liger needs a CUDA device and (once the model is built) a model type liger-kernel patches,
+    else it would do nothing."""
+    if not args.liger:
+        return
+    if use_cpu:
+        raise ValueError(
+            "--liger needs a CUDA GPU: liger-kernel's fused linear cross-entropy is a Triton kernel. "
+            "Leave out --liger on the CPU (the loss is the same, with the logits materialized)"
+        )
+    try:
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    except ImportError as err:
+        raise ValueError("--liger needs liger-kernel: pip install -e .[liger]") from err
+    if model_type is not None and model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        raise ValueError(
+            f"--liger: liger-kernel has no kernels for model_type={model_type!r} (it would silently do nothing); "
+            f"supported: {sorted(MODEL_TYPE_TO_APPLY_LIGER_FN)}"
+        )
+
+
+def training_kwargs(args) -> dict:
+    """The TrainingArguments of a run (also the base of recipes/sft_trl.py's SFTConfig)."""
     use_cpu = args.cpu or not torch.cuda.is_available()
-    training_args = TrainingArguments(
+    return dict(
         output_dir=args.output_dir,
         max_steps=args.max_steps,
         per_device_train_batch_size=1,
@@ -318,7 +367,14 @@ def main(argv=None) -> dict:
         dataloader_num_workers=0,
         deepspeed=args.deepspeed,
         disable_tqdm=False,
+        use_liger_kernel=args.liger,
+        **({"liger_kernel_config": dict(LIGER_CONFIG)} if args.liger else {}),
     )
+
+
+def prepare(args, training_args):
+    """(tokenizer or None, tokenized documents, model, DistCACallback) of a run."""
+    check_liger(args, training_args.use_cpu)
     tokenizer = None
     if args.doc_lengths:
         if args.dataset:
@@ -330,6 +386,7 @@ def main(argv=None) -> dict:
 
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     model = build_model(args, vocab_size, dtype, training_args)
+    check_liger(args, training_args.use_cpu, model.config.model_type)
     if args.gradient_checkpointing:
         model.config.use_cache = False
 
@@ -339,13 +396,33 @@ def main(argv=None) -> dict:
         disaggregate=args.attn == "distca",
         pad_token_id=(tokenizer.pad_token_id if tokenizer is not None else None) or 0,
         recompute_attention=args.recompute_attention,
+        layout=LAYOUTS[args.layout],
     )
-    metrics_path = os.path.join(args.output_dir, callback.metrics_file)
+    return tokenizer, documents, model, callback
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    training_args = TrainingArguments(**training_kwargs(args))
+    tokenizer, documents, model, callback = prepare(args, training_args)
     trainer = hf_distca.DistCATrainer(
         model=model, args=training_args, train_dataset=documents, callbacks=[callback]
     )
+    return finish(args, trainer, callback, tokenizer)
+
+
+def finish(args, trainer, callback, tokenizer) -> dict:
+    """Train, save, print the balance and write ``summary.json`` (with every rank's peak GPU memory)."""
+    training_args = trainer.args
+    metrics_path = os.path.join(args.output_dir, callback.metrics_file)
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
-    summary = dict(callback.summary, world_size=training_args.world_size, attn=args.attn)
+    summary = dict(
+        callback.summary,
+        world_size=training_args.world_size,
+        attn=args.attn,
+        layout=args.layout,
+        peak_memory_gib=peak_memory_gib(training_args.world_size),
+    )
     if not args.no_save:
         trainer.save_model(os.path.join(args.output_dir, "model"))
         if training_args.process_index == 0 and tokenizer is not None:
@@ -362,6 +439,18 @@ def main(argv=None) -> dict:
         with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
     return summary
+
+
+def peak_memory_gib(world: int) -> list[float] | None:
+    """Every rank's peak allocated CUDA memory in GiB (None on the CPU); all ranks call it together."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], dtype=torch.float64, device="cuda")
+    if world > 1 and torch.distributed.is_initialized():
+        out = [torch.empty_like(peak) for _ in range(world)]
+        torch.distributed.all_gather(out, peak)
+        return [round(float(t), 3) for t in out]
+    return [round(float(peak), 3)]
 
 
 if __name__ == "__main__":

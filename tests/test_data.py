@@ -63,10 +63,10 @@ def rebuild(batches: list[RankBatch], num_docs: int):
 
 
 def check_layout(
-    docs: list[list[int]], world_size: int, tokens_per_rank: int, pad: int = 0
+    docs: list[list[int]], world_size: int, tokens_per_rank: int, pad: int = 0, layout=None
 ) -> list[RankBatch]:
     batches = layout_micro_batch(
-        docs, world_size=world_size, tokens_per_rank=tokens_per_rank, pad_token_id=pad
+        docs, world_size=world_size, tokens_per_rank=tokens_per_rank, pad_token_id=pad, layout=layout
     )
     assert len(batches) == world_size
     all_pieces = tuple(b.pieces for b in batches)

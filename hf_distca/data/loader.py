@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from hf_distca.data.rebatch import layout_for_rank, layout_pieces
+from hf_distca.data.rebatch import LayoutFn, layout_for_rank, layout_pieces
 from hf_distca.data.sampler import plan_global_batches
 from hf_distca.planning.cost import causal_pairs
 
@@ -88,6 +88,7 @@ class DistCABatches(IterableDataset):
         pad_token_id: int = 0,
         max_steps: int | None = None,
         disaggregate: bool = True,
+        layout: LayoutFn | None = None,
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
@@ -100,6 +101,8 @@ class DistCABatches(IterableDataset):
         self.pad_token_id = pad_token_id
         self.max_steps = max_steps
         self.disaggregate = disaggregate
+        self.layout = layout or layout_pieces
+        """Places each micro-batch's documents on the ranks (default: the rebatcher's layout_pieces)."""
         self.epoch = 0
         self.current_step: int | None = None
         """Stream index of the step whose micro-batch was yielded last (None before the first)."""
@@ -165,7 +168,7 @@ class DistCABatches(IterableDataset):
         lengths = self.documents.lengths
         total = [0] * self.world_size
         for doc_indices in self.step(index):
-            pieces = layout_pieces(
+            pieces = self.layout(
                 [min(lengths[i], budget) for i in doc_indices],
                 world_size=self.world_size,
                 tokens_per_rank=self.tokens_per_rank,
@@ -182,6 +185,7 @@ class DistCABatches(IterableDataset):
             world_size=self.world_size,
             tokens_per_rank=self.tokens_per_rank,
             pad_token_id=self.pad_token_id,
+            layout=self.layout,
         )
         batch = {
             "input_ids": mine.input_ids,  # (1, T)

@@ -23,7 +23,7 @@ the target of its last token (the first token of the next piece).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,7 +34,12 @@ from hf_distca.planning.pieces import Piece
 IGNORE_INDEX = -100
 """Label of tokens without a target (last token of a document, padding); ignored by the loss."""
 
-__all__ = ["IGNORE_INDEX", "RankBatch", "layout_for_rank", "layout_micro_batch", "layout_pieces"]
+__all__ = ["IGNORE_INDEX", "LayoutFn", "RankBatch", "layout_for_rank", "layout_micro_batch", "layout_pieces"]
+
+LayoutFn = Callable[..., list[tuple[Piece, ...]]]
+"""A layout: ``fn(doc_lengths, *, world_size, tokens_per_rank, min_piece_tokens)`` -> every rank's pieces,
+tiling each document exactly once, each rank holding exactly ``tokens_per_rank`` tokens (padding as
+rank r's pseudo-document ``len(doc_lengths) + r``), like :func:`layout_pieces`."""
 
 
 @dataclass(frozen=True)
@@ -126,20 +131,23 @@ def layout_micro_batch(
     tokens_per_rank: int,
     pad_token_id: int = 0,
     min_piece_tokens: int = 1,
+    layout: LayoutFn | None = None,
 ) -> list[RankBatch]:
     """Lay ``docs`` (token ids of one global micro-batch) out over ``world_size`` ranks.
 
-    Returns one ``RankBatch`` per rank, each with exactly ``tokens_per_rank`` tokens.
+    Returns one ``RankBatch`` per rank, each with exactly ``tokens_per_rank`` tokens. ``layout``: the
+    function that places the pieces (default :func:`layout_pieces`; benchmarks pass the baselines of
+    :mod:`hf_distca.data.baselines`).
     """
-    arrays, all_pieces = _arrays_and_pieces(docs, world_size, tokens_per_rank, min_piece_tokens)
+    arrays, all_pieces = _arrays_and_pieces(docs, world_size, tokens_per_rank, min_piece_tokens, layout)
     return [_materialize(arrays, all_pieces, r, tokens_per_rank, pad_token_id) for r in range(world_size)]
 
 
-def _arrays_and_pieces(docs, world_size: int, tokens_per_rank: int, min_piece_tokens: int):
+def _arrays_and_pieces(docs, world_size: int, tokens_per_rank: int, min_piece_tokens: int, layout):
     """Token arrays of the documents and every rank's pieces (the layout all ranks agree on)."""
     arrays = [_as_tokens(d, i) for i, d in enumerate(docs)]
     all_pieces = tuple(
-        layout_pieces(
+        (layout or layout_pieces)(
             [len(a) for a in arrays],
             world_size=world_size,
             tokens_per_rank=tokens_per_rank,
@@ -157,12 +165,13 @@ def layout_for_rank(
     tokens_per_rank: int,
     pad_token_id: int = 0,
     min_piece_tokens: int = 1,
+    layout: LayoutFn | None = None,
 ) -> RankBatch:
     """``layout_micro_batch(...)[rank]``, building the tensors of ``rank`` only."""
     _check_positive("world_size", world_size)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be an int in [0, world_size={world_size}), got {rank!r}")
-    arrays, all_pieces = _arrays_and_pieces(docs, world_size, tokens_per_rank, min_piece_tokens)
+    arrays, all_pieces = _arrays_and_pieces(docs, world_size, tokens_per_rank, min_piece_tokens, layout)
     return _materialize(arrays, all_pieces, rank, tokens_per_rank, pad_token_id)
 
 
