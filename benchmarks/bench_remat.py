@@ -175,10 +175,12 @@ def run_mode(model, lm, opt, batches, mode: str, warmup: int) -> dict:
     }
 
 
-def attention_forward_seconds(batches, layers: int, heads: int, kv_heads: int, head_dim: int, group) -> float:
+def attention_forward_seconds(
+    batches, layers: int, heads: int, kv_heads: int, head_dim: int, group, backend: str
+) -> float:
     """Median over batches of the core-attention forward of all layers (dispatch, kernel, return)."""
     times = []
-    config = DistCAConfig()
+    config = DistCAConfig(backend=backend)
     for batch in batches:
         tokens = batch["input_ids"].shape[1]
         q = torch.randn(tokens, heads, head_dim, device=DEVICE, dtype=DTYPE)
@@ -219,6 +221,12 @@ def main() -> int:
         "--doc-lengths", action="append", default=None, help="'mix' or [name=]path.json (repeatable)"
     )
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
+    p.add_argument(
+        "--backends",
+        default="auto",
+        help="comma-separated kernel backends (DistCAConfig.backend); with several, every mode runs with each "
+        "and is labelled 'mode (backend)'",
+    )
     p.add_argument("--skip-none-for", default="", help="comma-separated sample names where 'none' is not run")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
@@ -259,7 +267,7 @@ def main() -> int:
     with torch.device(DEVICE):
         lm = AutoModelForCausalLM.from_config(config, attn_implementation="distca", dtype=DTYPE)
     lm.config.use_cache = False
-    enable_distca(lm, group=group, config=DistCAConfig())
+    backends = [b for b in args.backends.split(",") if b]
     model = LossModel(lm, args.loss_chunk)
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(
@@ -295,22 +303,27 @@ def main() -> int:
             if len(batches) == args.warmup + args.steps:
                 break
         results[name] = {"long_share": long_share(batches), "modes": {}}
-        for mode in modes:
-            if mode == "none" and name in skip_none:
-                results[name]["modes"][mode] = {"skipped": True}
-                continue
-            try:
-                results[name]["modes"][mode] = run_mode(model, lm, opt, batches, mode, args.warmup)
-            except torch.cuda.OutOfMemoryError:
-                if world > 1:
-                    raise  # the other ranks may be inside a collective: stop the job
-                results[name]["modes"][mode] = {"oom": True}
-            if results[name]["modes"][mode].get("oom"):  # outside the handler: its traceback is gone
-                opt.zero_grad(set_to_none=True)
-                torch.cuda.empty_cache()
-            if rank == 0:
-                print(name, mode, results[name]["modes"][mode], flush=True)
-                write_outputs(results, args, world, config)  # after every mode: a later failure keeps these
+        for backend in backends:
+            enable_distca(lm, group=group, config=DistCAConfig(backend=backend))
+            for mode in modes:
+                key = mode if len(backends) == 1 else f"{mode} ({backend})"
+                if mode == "none" and name in skip_none:
+                    results[name]["modes"][key] = {"skipped": True}
+                    continue
+                try:
+                    results[name]["modes"][key] = run_mode(model, lm, opt, batches, mode, args.warmup)
+                except torch.cuda.OutOfMemoryError:
+                    if world > 1:
+                        raise  # the other ranks may be inside a collective: stop the job
+                    results[name]["modes"][key] = {"oom": True}
+                if results[name]["modes"][key].get("oom"):  # outside the handler: its traceback is gone
+                    opt.zero_grad(set_to_none=True)
+                    torch.cuda.empty_cache()
+                if rank == 0:
+                    print(name, key, results[name]["modes"][key], flush=True)
+                    write_outputs(
+                        results, args, world, config
+                    )  # after every mode: a later failure keeps these
         set_mode(lm, "none")
         lm.eval()
         results[name]["attn_fwd_s"] = attention_forward_seconds(
@@ -320,6 +333,7 @@ def main() -> int:
             config.num_key_value_heads,
             head_dim,
             group,
+            backends[0],
         )
     if rank == 0:
         print(write_outputs(results, args, world, config), flush=True)
@@ -354,13 +368,16 @@ def report(results: dict, args, world: int, config) -> str:
         f"{args.warmup} warm-up (same micro-batches in every mode). Peak: max over ranks of "
         "torch.cuda.max_memory_allocated.",
         "",
-        "| sample (tokens in docs >= 16K) | mode | step time (s) | vs recompute | peak memory (GiB) | "
+        "| sample (tokens in docs >= 16K) | mode | step time (s) | speed-up vs recompute (else vs first row) | peak memory (GiB) | "
         "attn fwd kernels / step | core-attn bytes sent / step (GiB) | imbalance before -> after |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, res in results.items():
-        base = res["modes"].get("recompute", {}).get("step_s")
+        first = next(iter(res["modes"].values()), {}).get("step_s")
         for mode, r in res["modes"].items():
+            suffix = mode[mode.index(" (") :] if " (" in mode else ""
+            # vs plain recompute with the same backend; without a recompute run, vs the first row
+            base = res["modes"].get("recompute" + suffix, {}).get("step_s") or first
             label = f"{name} ({100 * res['long_share']:.0f}%)"
             if r.get("oom") or r.get("skipped"):
                 why = "out of memory" if r.get("oom") else "not run (out of memory on 1 GPU)"
@@ -371,6 +388,7 @@ def report(results: dict, args, world: int, config) -> str:
                 f"| {label} | {mode} | {r['step_s']:.3f} | {speed} | {r['peak_gib']:.1f} | {r['kernels']} | "
                 f"{r['sent_gib']:.2f} | {r['imbalance'][0]:.2f} -> {r['imbalance'][1]:.2f} |"
             )
+        base = res["modes"].get("recompute", {}).get("step_s")
         if "attn_fwd_s" in res and "step_s" in res["modes"].get("remat", {}) and base:
             saved = res["modes"]["recompute"]["step_s"] - res["modes"]["remat"]["step_s"]
             lines.append(
