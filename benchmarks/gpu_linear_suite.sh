@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Sequence-parallel linear attention on one machine with 2 GPUs (about 3 minutes):
+# Sequence-parallel linear attention on one machine with 2 GPUs (about 10 minutes: the first use of each of
+# flash-linear-attention's four kernel families compiles Triton kernels for a minute or more):
 #   bash benchmarks/gpu_linear_suite.sh OUTDIR
 # Needs flash-linear-attention importable (pip install fla-core, or its wheel on PYTHONPATH); without it the
 # local part falls back to the per-token reference and the layer/model timings mean little.
-# Writes: gpus.txt, linear_sp.md, linear_sp.json, bench_linear_sp.log in OUTDIR.
+# Writes: gpus.txt, pytest_gpu_linear.log, linear_sp.md, linear_sp.json, bench_linear_sp.log in OUTDIR.
 set -u
 out="${1:?output directory}"
 mkdir -p "$out"
@@ -14,6 +15,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
   python -c "import fla, triton; print('fla', getattr(fla, '__version__', '?'), 'triton', triton.__version__)" || echo "fla not importable"
 } > "$out/gpus.txt" 2>&1
 cat "$out/gpus.txt"
+echo "== fla chunk kernels vs the float64 reference (tests/test_gpu_linear.py)"
+timeout 400 python -m pytest -q -p no:cacheprovider tests/test_gpu_linear.py > "$out/pytest_gpu_linear.log" 2>&1
+echo "rc=$?" >> "$out/pytest_gpu_linear.log"; tail -3 "$out/pytest_gpu_linear.log"
 timeout 420 torchrun --nproc-per-node 2 benchmarks/bench_linear_sp.py --out "$out" > "$out/bench_linear_sp.log" 2>&1
 echo "rc=$?" >> "$out/bench_linear_sp.log"
 tail -5 "$out/bench_linear_sp.log"
