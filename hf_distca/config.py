@@ -44,6 +44,12 @@ class DistCAConfig:
     shapes and dtype, these config fields) and raise on every rank, naming what differs where, instead
     of hanging or planning differently. One small collective per micro-batch; must be equal on all ranks."""
 
+    ping_pong: bool | None = None
+    """Split each micro-batch's core attention into two nano-batches whose exchanges run asynchronously
+    while the other one's server kernel runs, in forward and backward (same results). None: on for CUDA
+    tensors, off elsewhere; True: always (on the CPU it runs the same schedule over gloo); False: never.
+    Only calls whose plan moves rows between ranks are split."""
+
     def __post_init__(self) -> None:
         if not (0.0 <= self.tolerance < 10.0):
             raise ValueError(f"DistCAConfig.tolerance must be in [0, 10), got {self.tolerance!r}")
@@ -71,3 +77,7 @@ class DistCAConfig:
             cost_model_from_config(self)  # a malformed table raises here, naming the file
         if self.max_planner_moves < 0:
             raise ValueError(f"DistCAConfig.max_planner_moves must be >= 0, got {self.max_planner_moves!r}")
+        if not (self.ping_pong is None or isinstance(self.ping_pong, bool)):
+            raise ValueError(
+                f"DistCAConfig.ping_pong must be True, False or None (auto), got {self.ping_pong!r}"
+            )
