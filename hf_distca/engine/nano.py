@@ -1,33 +1,43 @@
-"""Nano-batches: the two halves of a micro-batch's core attention whose exchanges and kernels interleave.
+"""Nano-batches: the parts of a micro-batch's core attention whose exchanges and kernels interleave.
 
-Ping-pong (:class:`hf_distca.engine.op.PingPongRunner`) overlaps one nano-batch's messages with the
-other's server kernel. The split is made on the balanced plan, so it changes neither the plan nor the
-math:
+Ping-pong (:class:`hf_distca.engine.op.PingPongRunner`) starts every part's dispatch at once, then runs
+the parts' kernels in order, each as soon as its own rows have arrived, and starts each part's return
+when its kernel is done: a part's messages fly while the kernels of the parts before it (dispatch) or
+after it (return) run. The split is made on the balanced plan, so it changes neither the plan nor the
+math: a query row's output depends only on its own KV prefix, so a task [a, b) cut at m into [a, m) (KV
+prefix [0, m)) and [m, b) (KV prefix [0, b)) computes every row exactly as before, and a part's tasks
+read KV rows from any rank, including rows whose queries belong to another part.
 
-- every server's CA-tasks are divided into two groups of (about) equal causal work, so both nano-batches
-  are balanced over the servers as the micro-batch is, and each server's two kernels take about as long
-  as each other (what one kernel hides is the other nano-batch's dispatch or return);
-- a query row's output depends only on its own KV prefix, so a task [a, b) cut at m into [a, m) (KV
-  prefix [0, m)) and [m, b) (KV prefix [0, b)) computes every row exactly as before; a nano-batch's
-  tasks read KV rows from any rank, including rows whose queries belong to the other nano-batch.
+Two ways to split each server's CA-tasks (``DistCAConfig.ping_pong_split``; every rank splits alike):
 
-Bytes: query rows, outputs and their gradients are partitioned between the nano-batches (the same
-total). A server receives a KV row once per nano-batch that reads it, so a document whose tasks on one
-server fall in both nano-batches sends the remote rows of their shared prefix twice. The split
-therefore assigns each server's documents whole (largest first, to the lighter half) and cuts inside a
-document only when whole documents leave the halves more than ``BALANCE`` of the server's work apart:
-the cut moves the rows before some m of one document to the lighter half. A cut is free when the server
-holds the shared prefix [0, m) itself; one that sends rows twice is taken only when nothing free brings
-both halves to a third of the server's work (``DUPLICATE_GAP``); e.g. a server whose work is a tail
-shard of a document held elsewhere cuts it and receives that document's remote prefix twice. The half
-with fewer bytes to receive runs first: its dispatch is the one that no kernel hides.
+- ``"local_first"`` (default): the tasks whose query rows and whole KV prefix the server holds itself
+  ("local": they need no exchange at all) in two halves of equal work, around the tasks that need rows
+  of other ranks ("remote"), themselves in two halves: parts [local head, remote 0, remote 1, local
+  tail]. The remote parts' dispatches fly during the local head's kernel (and remote 1's during remote
+  0's), their returns during the local tail's (and remote 0's during remote 1's). After balancing most of
+  a server's work is usually its own local work, so this can hide both directions entirely; a server
+  whose work all needs other ranks' rows (a tail piece of a document held elsewhere) waits for its first
+  dispatch, as without ping-pong.
+- ``"halves"``: two parts of equal work, each with its own exchanges (the DistCA paper's ping and pong):
+  the first part's dispatch and the second part's return are never hidden.
 
-Index: each nano-batch's :class:`~hf_distca.planning.DispatchIndex` comes from
+Parts empty on every server are dropped (no part is ever run that nobody needs).
+
+Halving: a server's documents go whole to the lighter half (largest first); a document is cut only when
+whole documents leave the halves more than ``BALANCE`` of their work apart: the cut moves the rows
+before some m of one document to the lighter half. Query rows, outputs and their gradients are
+partitioned between parts, but a server receives a KV row once per part that reads it, so a cut whose
+shared prefix [0, m) holds rows of other ranks sends those rows twice. Such cuts are never made for
+``local_first`` (local prefixes are the server's own; remote work is halved by whole documents and free
+cuts); ``halves`` makes one only when nothing else brings the halves to a third of the server's work
+apart (``DUPLICATE_GAP``), e.g. on a server whose work is a tail shard of a document held elsewhere. Of
+two halves that both exchange, the one with fewer bytes to receive runs first.
+
+Index: each part's :class:`~hf_distca.planning.DispatchIndex` comes from
 :func:`~hf_distca.planning.build_dispatch_index` on a plan with one more server that holds no tokens
-and takes the other nano-batch's tasks ("parked"): the index then covers every local row, as
+and takes the other parts' tasks ("parked"): the index then covers every local row, as
 build_dispatch_index requires; the parked server is last in rank order, so dropping its entries leaves
-exactly this nano-batch's streams, and the rows whose outputs it would return are the rows of the other
-nano-batch.
+exactly this part's streams, and the rows whose outputs it would return are the rows of the other parts.
 """
 
 from __future__ import annotations
@@ -39,14 +49,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from hf_distca.config import PING_PONG_SPLITS
 from hf_distca.engine.prepare import PreparedAttention
 from hf_distca.planning import CATask, CorePlan, DispatchIndex, DocIndex, build_dispatch_index, causal_pairs
 
 __all__ = ["BALANCE", "DUPLICATE_GAP", "NanoSplit", "nano_batches", "split_server_tasks"]
 
-PARTS = 2
 BALANCE = 0.05
-"""Whole documents are enough when the halves' work differs by at most this share of the server's work."""
+"""Whole documents are enough when two halves' work differs by at most this share of their work."""
+DUPLICATE_GAP = 1 / 3
+"""``halves`` only: a cut that sends KV rows twice is made only when whole documents and free cuts leave
+the halves more than this share of the server's work apart (one half below a third)."""
 
 
 @dataclass
@@ -68,22 +81,30 @@ class NanoSplit:
         return self._order[key]
 
 
-def nano_batches(prepared: PreparedAttention, shard_tokens: int) -> NanoSplit:
-    """The nano-batch split of ``prepared`` (computed once per prepared micro-batch, then cached on it);
-    ``shard_tokens``: the config's, where cuts inside a task prefer to fall.
+def nano_batches(prepared: PreparedAttention, shard_tokens: int, split: str = "local_first") -> NanoSplit:
+    """The nano-batches of ``prepared`` split the ``split`` way (one of PING_PONG_SPLITS), computed once
+    per prepared micro-batch and cached on it; ``shard_tokens``: the config's, where cuts prefer to fall.
 
     Every rank derives the same split from the same plan; nothing is exchanged."""
-    if prepared.nano_split is not None:
-        return prepared.nano_split
+    if split not in PING_PONG_SPLITS:
+        raise ValueError(f"split must be one of {PING_PONG_SPLITS}, got {split!r}")
+    key = (shard_tokens, split)
+    if key in prepared.nano_splits:
+        return prepared.nano_splits[key]
     plan, rank = prepared.plan, prepared.rank
     per_server = [
-        split_server_tasks(tasks, server, plan.index, shard_tokens, plan.q_row_bytes, plan.kv_row_bytes)
+        split_server_tasks(
+            tasks, server, plan.index, shard_tokens, plan.q_row_bytes, plan.kv_row_bytes, split
+        )
         for server, tasks in enumerate(plan.tasks)
     ]
+    used = [j for j in range(len(per_server[0])) if any(parts[j] for parts in per_server)]
     parts, rows = [], []
-    for j in range(PARTS):
-        tasks = [halves[j] for halves in per_server]
-        others = sorted(t for halves in per_server for i, half in enumerate(halves) if i != j for t in half)
+    for j in used:
+        tasks = [server_parts[j] for server_parts in per_server]
+        others = sorted(
+            t for server_parts in per_server for i, part in enumerate(server_parts) if i != j for t in part
+        )
         index, own_rows = _nano_index(plan, tasks, others, rank)
         nano_plan = _nano_plan(plan, tasks)
         flops_per_pair = 4.0 * prepared.q_heads * prepared.head_dim
@@ -102,17 +123,43 @@ def nano_batches(prepared: PreparedAttention, shard_tokens: int) -> NanoSplit:
             )
         )
         rows.append(own_rows)
-    prepared.nano_split = NanoSplit(tuple(parts), tuple(rows))
-    return prepared.nano_split
+    prepared.nano_splits[key] = NanoSplit(tuple(parts), tuple(rows))
+    return prepared.nano_splits[key]
 
 
 # ------------------------------------------------------------------------------------------ the split
 def split_server_tasks(
-    tasks: list[CATask], server: int, index: DocIndex, shard_tokens: int, q_row_bytes: int, kv_row_bytes: int
+    tasks: list[CATask],
+    server: int,
+    index: DocIndex,
+    shard_tokens: int,
+    q_row_bytes: int,
+    kv_row_bytes: int,
+    split: str = "local_first",
+) -> list[list[CATask]]:
+    """One server's tasks in parts (see the module docstring): ``local_first``: [local head, remote 0,
+    remote 1, local tail]; ``halves``: [first, second]. Each part in canonical order (doc_id, q_start).
+    Deterministic: every rank gets the same parts."""
+    sizes = (shard_tokens, q_row_bytes, kv_row_bytes)
+    if split == "halves":
+        return list(_halves(tasks, server, index, *sizes, allow_duplicate=True))
+    local = [t for t in tasks if index.count_held_by(t.doc_id, 0, t.q_end, server) == t.q_end]
+    remote = [t for t in tasks if index.count_held_by(t.doc_id, 0, t.q_end, server) != t.q_end]
+    head, tail = _halves(local, server, index, *sizes, allow_duplicate=False)
+    return [head, *_halves(remote, server, index, *sizes, allow_duplicate=False), tail]
+
+
+def _halves(
+    tasks: list[CATask],
+    server: int,
+    index: DocIndex,
+    shard_tokens: int,
+    q_row_bytes: int,
+    kv_row_bytes: int,
+    *,
+    allow_duplicate: bool,
 ) -> tuple[list[CATask], list[CATask]]:
-    """One server's tasks divided into two halves of about equal causal work (see the module docstring),
-    each in canonical order (doc_id, q_start); the half with fewer bytes to receive first (its dispatch is
-    the one no kernel hides). Deterministic: every rank gets the same halves."""
+    """``tasks`` in two halves of about equal causal work, the one with fewer bytes to receive first."""
     by_doc: dict[int, list[CATask]] = {}
     for t in sorted(tasks):
         if t.q_len > 0:
@@ -127,7 +174,7 @@ def split_server_tasks(
         load[j] += work[doc]
     heavy = 0 if load[0] >= load[1] else 1
     gap = load[heavy] - load[1 - heavy]
-    cut = _best_cut(by_doc, docs[heavy], work, gap, total, server, index, shard_tokens)
+    cut = _best_cut(by_doc, docs[heavy], work, gap, total, server, index, shard_tokens, allow_duplicate)
     halves: tuple[list[CATask], list[CATask]] = ([], [])
     for j, side in enumerate((heavy, 1 - heavy)):
         for doc in docs[side]:
@@ -145,11 +192,6 @@ def split_server_tasks(
     return (first, second) if (inbound[0], 0) <= (inbound[1], 1) else (second, first)
 
 
-DUPLICATE_GAP = 1 / 3
-"""A cut that sends KV rows twice is made only when whole documents and free cuts leave the halves more
-than this share of the server's work apart (one half below a third)."""
-
-
 def _best_cut(
     by_doc: dict[int, list[CATask]],
     heavy_docs: list[int],
@@ -159,11 +201,12 @@ def _best_cut(
     server: int,
     index: DocIndex,
     shard_tokens: int,
+    allow_duplicate: bool,
 ) -> tuple[int, int] | None:
     """(doc, m): move that document's rows before m from the heavier half to the lighter one; None: keep
-    whole documents. Cuts whose shared KV prefix this server holds itself are free; others send the
-    shared prefix's remote rows twice and are taken only when the halves stay further than
-    ``DUPLICATE_GAP`` apart otherwise."""
+    whole documents. Cuts whose shared KV prefix this server holds itself are free; the others send the
+    prefix's remote rows twice and are taken (``allow_duplicate`` only) when the halves stay further
+    than ``DUPLICATE_GAP`` apart otherwise."""
     if gap <= BALANCE * total:
         return None
     free, duplicating = [], []  # (gap after, rows sent twice, doc, m)
@@ -175,7 +218,7 @@ def _best_cut(
         remote = shared_end - index.count_held_by(doc, 0, shared_end, server)
         (duplicating if remote else free).append((new_gap, remote, doc, m))
     best = min(free, default=None)
-    if (best[0] if best else gap) <= DUPLICATE_GAP * total or not duplicating:
+    if not allow_duplicate or not duplicating or (best[0] if best else gap) <= DUPLICATE_GAP * total:
         return None if best is None else (best[2], best[3])
     # within the balance target: the fewest rows sent twice; else the best balance
     within = [c for c in duplicating if c[0] <= BALANCE * total]

@@ -5,8 +5,8 @@ documents) both run through :class:`_AttentionOp`; they differ only in the runne
 
 - :class:`EngineRunner`: forward = dispatch -> compute -> return_outputs -> gather_outputs; backward =
   dispatch_backward -> compute_backward -> return_grads -> gather_grads (see :mod:`.stages`).
-- :class:`PingPongRunner` (``DistCAConfig.ping_pong``): the same stages on the two nano-batches of the
-  micro-batch (:mod:`.nano`), interleaved so that one nano-batch's exchanges fly while the other's
+- :class:`PingPongRunner` (``DistCAConfig.ping_pong``): the same stages on the nano-batches of the
+  micro-batch (:mod:`.nano`), interleaved so that one nano-batch's exchanges fly while another's
   kernel runs, in forward and backward.
 - :class:`LocalRunner`: the kernel's forward and backward on this process's own rows.
 
@@ -35,9 +35,9 @@ over ranks (sum Q = sum Q', sum KV = sum KV') that is 6 Q + 6 KV per layer: what
 recompute cost with an engine that kept the received rows until backward, and one forward (Q + 2 KV +
 Q') less than plain recompute with this engine. Rematerialization-aware checkpointing adds nothing.
 Ping-pong sends the same Q rows, outputs and gradients, and a KV row once per nano-batch that reads
-it: more than once only for a document whose tasks on one server are cut between the two nano-batches
-(the split avoids it where it can, see :mod:`.nano`). The server's log-sum-exp is kept per nano-batch
-(the same rows in all).
+it: the same bytes with the default split; with ``ping_pong_split="halves"`` more only for a document
+whose tasks on one server are cut between the two nano-batches (see :mod:`.nano`). The server's
+log-sum-exp is kept per nano-batch (the same rows in all).
 """
 
 from __future__ import annotations
@@ -119,15 +119,17 @@ class EngineRunner:
 
 @dataclass(frozen=True)
 class PingPongRunner:
-    """Balanced core attention of one micro-batch as two nano-batches (:mod:`.nano`) whose exchanges are
-    asynchronous and interleave with the other's server kernel (all ranks call together).
+    """Balanced core attention of one micro-batch as nano-batches (:mod:`.nano`: with the default split,
+    the work needing no exchange in two halves around the work that does) whose exchanges are
+    asynchronous and interleave with the other parts' server kernels (all ranks call together).
 
-    Forward: start dispatch 0 and dispatch 1; then for each nano-batch j in turn: wait for its dispatch,
-    run its kernel, start its return; then wait for the returns and put the outputs in local row order.
-    So nano-batch 1's dispatch is in flight during nano-batch 0's kernel, and nano-batch 0's return
-    during nano-batch 1's kernel. Backward: the same with dispatch_backward, compute_backward and
-    return_grads; dk/dv of both nano-batches are summed in the accumulation dtype before rounding.
-    The log-sum-exp is the nano-batches' kernel rows one after the other."""
+    Forward: start every part's dispatch; then for each part in turn: wait for its dispatch, run its
+    kernel, start its return; then wait for the returns and put the outputs in local row order. So a
+    part's dispatch is in flight during the kernels of the parts before it, and its return during the
+    kernels of the parts after it (a part that exchanges nothing starts and waits for nothing). Backward:
+    the same with dispatch_backward, compute_backward and return_grads; dk/dv of all parts are summed in
+    the accumulation dtype before rounding. The log-sum-exp is the parts' kernel rows one after the
+    other."""
 
     split: NanoSplit
     group: Any
@@ -291,7 +293,8 @@ def core_attention(
     metrics.record_call(prepared.flops_before, prepared.flops_after)
     ping_pong = config.ping_pong if config.ping_pong is not None else q.is_cuda
     if ping_pong and prepared.communicates:  # every rank decides alike: same config, same plan
-        runner = PingPongRunner(nano_batches(prepared, config.shard_tokens), group, scale, config.backend)
+        split = nano_batches(prepared, config.shard_tokens, config.ping_pong_split)
+        runner = PingPongRunner(split, group, scale, config.backend)
     else:
         runner = EngineRunner(prepared, group, scale, config.backend)
     return _AttentionOp.apply(q, k, v, runner, None)
