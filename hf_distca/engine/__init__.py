@@ -11,8 +11,8 @@ Stages, each callable on its own (an overlap schedule can interleave them):
   over every task that read them).
 
 :func:`core_attention` chains them in one autograd operator (:mod:`.op`, which also says what is kept
-where and the bytes per layer); with ``DistCAConfig.ping_pong`` it runs them on two nano-batches
-(:mod:`.nano`) whose exchanges overlap the other's kernel. :func:`local_attention` is the same operator
+where and the bytes per layer); with ``DistCAConfig.ping_pong`` it runs them on nano-batches
+(:mod:`.nano`) whose exchanges overlap the other nano-batches' kernels. :func:`local_attention` is the same operator
 on one process's own sequences. Both take part in rematerialization-aware checkpointing (:mod:`hf_distca.checkpointing`).
 """
 

@@ -99,13 +99,14 @@ def nano_batches(prepared: PreparedAttention, shard_tokens: int, split: str = "l
         for server, tasks in enumerate(plan.tasks)
     ]
     used = [j for j in range(len(per_server[0])) if any(parts[j] for parts in per_server)]
+    with_parking = DocIndex([*_pieces_per_rank(plan.index), []])  # one more rank, holding no tokens
     parts, rows = [], []
     for j in used:
         tasks = [server_parts[j] for server_parts in per_server]
         others = sorted(
             t for server_parts in per_server for i, part in enumerate(server_parts) if i != j for t in part
         )
-        index, own_rows = _nano_index(plan, tasks, others, rank)
+        index, own_rows = _nano_index(plan, with_parking, tasks, others, rank)
         nano_plan = _nano_plan(plan, tasks)
         flops_per_pair = 4.0 * prepared.q_heads * prepared.head_dim
         flops = [x * flops_per_pair for x in nano_plan.pairs_after]
@@ -308,18 +309,16 @@ def _traffic(
 
 
 def _nano_index(
-    plan: CorePlan, tasks: list[list[CATask]], parked: list[CATask], rank: int
+    plan: CorePlan, with_parking: DocIndex, tasks: list[list[CATask]], parked: list[CATask], rank: int
 ) -> tuple[DispatchIndex, np.ndarray]:
-    """This rank's index for one nano-batch (``tasks`` per server) and the local rows it computes."""
+    """This rank's index for one nano-batch (``tasks`` per server) and the local rows it computes;
+    ``with_parking``: the plan's documents with one more rank that holds no tokens, whose server takes
+    the ``parked`` tasks (the other nano-batches')."""
     world = plan.world_size
-    pieces = _pieces_per_rank(plan.index)
-    with_parking = dataclasses.replace(
-        plan,
-        index=DocIndex([*pieces, []]),
-        tasks=[*tasks, parked],
-        kv_prefix=[*(_kv_prefix(ts) for ts in tasks), {}],
+    parking_plan = dataclasses.replace(
+        plan, index=with_parking, tasks=[*tasks, parked], kv_prefix=[*(_kv_prefix(ts) for ts in tasks), {}]
     )
-    full = build_dispatch_index(with_parking, rank)
+    full = build_dispatch_index(parking_plan, rank)
     parked_q = full.send_q_counts[world]
     parked = (full.send_kv_counts[world], full.recv_q_counts[world], full.recv_kv_counts[world])
     if any(parked) or full.out_send_counts[world]:
