@@ -1,20 +1,23 @@
-"""Ping-pong (DistCAConfig.ping_pong): two nano-batches whose exchanges overlap the other's kernel.
+"""Ping-pong (DistCAConfig.ping_pong): nano-batches whose exchanges overlap other nano-batches' kernels.
 
-- The split (no processes): every server's tasks are divided into two halves that keep every query row
-  once, balance the work, cut a document only when needed and prefer cuts that send no KV row twice;
-  every rank's nano-batch index agrees with every other rank's (what one sends, the other receives) and
-  the two nano-batches' rows partition each rank's local rows.
+- The split (no processes), both ways (``local_first``: local work in two halves around the exchanged
+  work; ``halves``): every server's tasks go to parts that keep every query row once, balance the work,
+  cut a document only when needed and never (local_first) or only as a last resort (halves) send a KV
+  row to a server twice; every rank's nano-batch index agrees with every other rank's (what one sends,
+  the other receives) and the nano-batches' rows partition each rank's local rows.
 - On 2 and 4 gloo processes (one spawn each): on every named layout of the engine tests (documents cut
-  over ranks, an empty rank, one giant document, ...), outputs and q/k/v gradients with ping-pong equal
-  the float64 oracle, the run without ping-pong (fp32: within tolerance, the sums run in another order)
-  and, bit for bit, the reference kernel replayed on every nano-batch task; bytes sent are exactly what
-  the nano-batch plans say; the stages run in the interleaved order (the profiler's ranges: nano-batch
-  1's dispatch is started before nano-batch 0's kernel, nano-batch 0's return before nano-batch 1's
-  kernel, forward and backward); a tiny Llama step with ping-pong gives the same loss and gradients as
-  without, with no checkpointing, plain recompute and rematerialization-aware checkpointing (which
-  replays the kept outputs: no extra kernels, no extra bytes); signal-only exchanges send one byte.
+  over ranks, an empty rank, one giant document, ...), with both splits, outputs and q/k/v gradients with
+  ping-pong equal the float64 oracle, the run without ping-pong (fp32: within tolerance, the sums run in
+  another order) and, bit for bit, the reference kernel replayed on every nano-batch task; bytes sent are
+  exactly what the nano-batch plans say (local_first: exactly the bytes without ping-pong); the stages
+  run in the interleaved order (the profiler's ranges: an exchanging part's dispatch is started before an
+  earlier part's kernel and its return before a later part's kernel, forward and backward); a tiny Llama
+  step with ping-pong gives the same loss and gradients as without, with no checkpointing, plain
+  recompute and rematerialization-aware checkpointing (which replays the kept outputs: no extra kernels,
+  no extra bytes); signal-only exchanges send one byte.
 - Through the recipe under torchrun (2 processes, DDP, gradient checkpointing): ``--ping-pong`` and
   ``--no-ping-pong`` train to the same losses and weights; the flags come from DistCAConfig.
+- benchmarks/bench_ping_pong.py: its trace summary on a hand-made trace, and its ``--cpu`` smoke run.
 """
 
 from __future__ import annotations
