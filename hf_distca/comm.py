@@ -4,10 +4,18 @@ Explicit and outside autograd: the engine's operator calls it in forward and bac
 what travels. The process group is always passed in. With ``async_op=True`` the exchange is only
 started; :meth:`Exchange.wait` completes it, so a schedule can run other work in between.
 Every byte sent and received is counted in :mod:`hf_distca.metrics` when the exchange starts.
+
+On CUDA (NCCL) an asynchronous exchange runs on the process group's own communication stream: starting it
+orders that stream after the work already queued on the current stream (an event), and ``wait()`` orders
+the current stream after the exchange (an event again, the host does not block); so the kernels queued
+in between overlap the transfer. On the CPU (gloo) the exchange runs on gloo's worker threads and
+``wait()`` blocks the host until it is done: the same schedule, so the same ordering logic runs in CI.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +43,23 @@ class Exchange:
         return self.recv
 
 
+_signal_only = False
+
+
+@contextlib.contextmanager
+def signal_only() -> Iterator[None]:
+    """For benchmarks only: inside, every :func:`all_to_all_v` sends one byte to each rank instead of its
+    payload and returns a zero-filled receive buffer of the right size. A step then keeps its schedule,
+    its synchronisation between ranks and its kernels, with (almost) free communication: the reference
+    that overlapping communication can at best reach. The results are wrong; never train with it."""
+    global _signal_only
+    previous, _signal_only = _signal_only, True
+    try:
+        yield
+    finally:
+        _signal_only = previous
+
+
 def all_to_all_v(
     send: torch.Tensor,
     send_splits: list[int],
@@ -52,6 +77,8 @@ def all_to_all_v(
         raise ValueError(
             f"send splits sum to {sum(send_splits)} but the buffer holds {send.numel()} elements"
         )
+    if _signal_only:
+        return _signal(send, recv_splits, group, async_op)
     send = send.contiguous()
     recv = send.new_empty(sum(recv_splits))
     work = dist.all_to_all_single(
@@ -65,3 +92,14 @@ def all_to_all_v(
     metrics.record_bytes_sent(sum(send_splits) * send.element_size())
     metrics.record_bytes_received(sum(recv_splits) * send.element_size())
     return Exchange(recv=recv, send=send, work=work if async_op else None)
+
+
+def _signal(send: torch.Tensor, recv_splits: list[int], group: Any, async_op: bool) -> Exchange:
+    """One byte to and from every rank (see :func:`signal_only`); the received payload reads as zeros."""
+    world = len(recv_splits)
+    flags = torch.zeros(2 * world, dtype=torch.uint8, device=send.device)  # [sent | received]
+    work = dist.all_to_all_single(flags[world:], flags[:world], group=group, async_op=async_op)
+    metrics.record_bytes_sent(world)
+    metrics.record_bytes_received(world)
+    recv = send.new_zeros(sum(recv_splits))
+    return Exchange(recv=recv, send=flags, work=work if async_op else None)

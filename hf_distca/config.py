@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 # The one list of kernel backend names: "auto", then every backend in the order "auto" prefers them.
 KERNEL_BACKENDS = ("auto", "cudnn", "torch_varlen", "flash_attn", "reference")
+# How ping-pong splits a micro-batch's core attention (see hf_distca.engine.nano).
+PING_PONG_SPLITS = ("local_first", "halves")
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,18 @@ class DistCAConfig:
     shapes and dtype, these config fields) and raise on every rank, naming what differs where, instead
     of hanging or planning differently. One small collective per micro-batch; must be equal on all ranks."""
 
+    ping_pong: bool | None = None
+    """Split each micro-batch's core attention into two nano-batches whose exchanges run asynchronously
+    while the other one's server kernel runs, in forward and backward (same results). None: on for CUDA
+    tensors, off elsewhere; True: always (on the CPU it runs the same schedule over gloo); False: never.
+    Only calls whose plan moves rows between ranks are split."""
+
+    ping_pong_split: str = "local_first"
+    """How ping-pong splits each server's work, one of PING_PONG_SPLITS: 'local_first': the work that
+    needs no exchange in two halves around the work that does (whose exchanges fly during those halves);
+    'halves': two nano-batches of equal work, each with its own exchanges (the first one's dispatch and
+    the second one's return are not hidden)."""
+
     def __post_init__(self) -> None:
         if not (0.0 <= self.tolerance < 10.0):
             raise ValueError(f"DistCAConfig.tolerance must be in [0, 10), got {self.tolerance!r}")
@@ -71,3 +85,11 @@ class DistCAConfig:
             cost_model_from_config(self)  # a malformed table raises here, naming the file
         if self.max_planner_moves < 0:
             raise ValueError(f"DistCAConfig.max_planner_moves must be >= 0, got {self.max_planner_moves!r}")
+        if not (self.ping_pong is None or isinstance(self.ping_pong, bool)):
+            raise ValueError(
+                f"DistCAConfig.ping_pong must be True, False or None (auto), got {self.ping_pong!r}"
+            )
+        if self.ping_pong_split not in PING_PONG_SPLITS:
+            raise ValueError(
+                f"DistCAConfig.ping_pong_split must be one of {PING_PONG_SPLITS}, got {self.ping_pong_split!r}"
+            )

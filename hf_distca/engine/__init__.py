@@ -11,12 +11,14 @@ Stages, each callable on its own (an overlap schedule can interleave them):
   over every task that read them).
 
 :func:`core_attention` chains them in one autograd operator (:mod:`.op`, which also says what is kept
-where and the bytes per layer); :func:`local_attention` is the same operator on one process's own
-sequences. Both take part in rematerialization-aware checkpointing (:mod:`hf_distca.checkpointing`).
+where and the bytes per layer); with ``DistCAConfig.ping_pong`` it runs them on nano-batches
+(:mod:`.nano`) whose exchanges overlap the other nano-batches' kernels. :func:`local_attention` is the same operator
+on one process's own sequences. Both take part in rematerialization-aware checkpointing (:mod:`hf_distca.checkpointing`).
 """
 
 from hf_distca.engine.consistency import InconsistentInputError
-from hf_distca.engine.op import EngineRunner, LocalRunner, core_attention, local_attention
+from hf_distca.engine.nano import NanoSplit, nano_batches
+from hf_distca.engine.op import EngineRunner, LocalRunner, PingPongRunner, core_attention, local_attention
 from hf_distca.engine.prepare import PreparedAttention, clear_plan_cache, prepare
 from hf_distca.engine.stages import (
     GradReturn,
@@ -35,6 +37,8 @@ __all__ = [
     "GradReturn",
     "InconsistentInputError",
     "LocalRunner",
+    "NanoSplit",
+    "PingPongRunner",
     "PreparedAttention",
     "clear_plan_cache",
     "compute",
@@ -45,6 +49,7 @@ __all__ = [
     "gather_grads",
     "gather_outputs",
     "local_attention",
+    "nano_batches",
     "prepare",
     "return_grads",
     "return_outputs",

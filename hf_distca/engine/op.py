@@ -5,7 +5,14 @@ documents) both run through :class:`_AttentionOp`; they differ only in the runne
 
 - :class:`EngineRunner`: forward = dispatch -> compute -> return_outputs -> gather_outputs; backward =
   dispatch_backward -> compute_backward -> return_grads -> gather_grads (see :mod:`.stages`).
+- :class:`PingPongRunner` (``DistCAConfig.ping_pong``): the same stages on the nano-batches of the
+  micro-batch (:mod:`.nano`), interleaved so that one nano-batch's exchanges fly while another's
+  kernel runs, in forward and backward.
 - :class:`LocalRunner`: the kernel's forward and backward on this process's own rows.
+
+Every stage a runner runs is a profiler range named ``distca.<fwd|bwd>.<stage>[.<nano-batch>]`` (stages:
+dispatch, compute, return, and for ping-pong the waits wait_dispatch, wait_return), so a
+``torch.profiler`` trace shows the schedule (benchmarks/bench_ping_pong.py summarises it per layer).
 
 What is kept from forward to backward, per layer and rank (T: local rows, Tk: rows of the tasks this
 rank serves, both ~T after balancing; Hq/Hkv heads, D head_dim, b bytes per element):
@@ -27,6 +34,10 @@ v), and Q', KV' the same for the rows it serves for other ranks: forward Q + 2 K
 over ranks (sum Q = sum Q', sum KV = sum KV') that is 6 Q + 6 KV per layer: what plain activation
 recompute cost with an engine that kept the received rows until backward, and one forward (Q + 2 KV +
 Q') less than plain recompute with this engine. Rematerialization-aware checkpointing adds nothing.
+Ping-pong sends the same Q rows, outputs and gradients, and a KV row once per nano-batch that reads
+it: the same bytes with the default split; with ``ping_pong_split="halves"`` more only for a document
+whose tasks on one server are cut between the two nano-batches (see :mod:`.nano`). The server's
+log-sum-exp is kept per nano-batch (the same rows in all).
 """
 
 from __future__ import annotations
@@ -40,6 +51,7 @@ import torch
 from hf_distca import metrics
 from hf_distca.checkpointing import SavedAttention, keep_for_recompute, take_saved_attention
 from hf_distca.config import DistCAConfig
+from hf_distca.engine.nano import NanoSplit, nano_batches
 from hf_distca.engine.prepare import PreparedAttention, prepare
 from hf_distca.engine.stages import (
     compute,
@@ -58,6 +70,11 @@ def _wait(exchange) -> torch.Tensor | None:
     return None if exchange is None else exchange.wait()
 
 
+def _stage(name: str) -> torch.profiler.record_function:
+    """A profiler range ``distca.<name>`` around one stage (a few microseconds when nothing profiles)."""
+    return torch.profiler.record_function("distca." + name)
+
+
 @dataclass(frozen=True)
 class EngineRunner:
     """Balanced core attention of one micro-batch over ``group`` (all ranks call together)."""
@@ -69,10 +86,13 @@ class EngineRunner:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         prep, group = self.prepared, self.group
-        received = _wait(dispatch(prep, q, k, v, group))
-        out_kernel, lse = compute(prep, q, k, v, received, scale=self.scale, backend=self.backend)
+        with _stage("fwd.dispatch"):
+            received = _wait(dispatch(prep, q, k, v, group))
+        with _stage("fwd.compute"):
+            out_kernel, lse = compute(prep, q, k, v, received, scale=self.scale, backend=self.backend)
         del received  # the server keeps nothing it received
-        returned = _wait(return_outputs(prep, out_kernel, group))
+        with _stage("fwd.return"):
+            returned = _wait(return_outputs(prep, out_kernel, group))
         return gather_outputs(prep, out_kernel, returned), lse
 
     def backward(
@@ -85,12 +105,100 @@ class EngineRunner:
         dout: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         prep, group = self.prepared, self.group
-        received = _wait(dispatch_backward(prep, q, k, v, out, dout, group))
-        dq_k, dk_k, dv_k = compute_backward(
-            prep, q, k, v, out, dout, lse, received, scale=self.scale, backend=self.backend
-        )
+        with _stage("bwd.dispatch"):
+            received = _wait(dispatch_backward(prep, q, k, v, out, dout, group))
+        with _stage("bwd.compute"):
+            dq_k, dk_k, dv_k = compute_backward(
+                prep, q, k, v, out, dout, lse, received, scale=self.scale, backend=self.backend
+            )
         del received
-        return gather_grads(prep, return_grads(prep, dq_k, dk_k, dv_k, group), k.dtype)
+        with _stage("bwd.return"):
+            pending = return_grads(prep, dq_k, dk_k, dv_k, group)
+        return gather_grads(prep, pending, k.dtype)
+
+
+@dataclass(frozen=True)
+class PingPongRunner:
+    """Balanced core attention of one micro-batch as nano-batches (:mod:`.nano`: with the default split,
+    the work needing no exchange in two halves around the work that does) whose exchanges are
+    asynchronous and interleave with the other parts' server kernels (all ranks call together).
+
+    Forward: start every part's dispatch; then for each part in turn: wait for its dispatch, run its
+    kernel, start its return; then wait for the returns and put the outputs in local row order. So a
+    part's dispatch is in flight during the kernels of the parts before it, and its return during the
+    kernels of the parts after it (a part that exchanges nothing starts and waits for nothing). Backward:
+    the same with dispatch_backward, compute_backward and return_grads; dk/dv of all parts are summed in
+    the accumulation dtype before rounding. The log-sum-exp is the parts' kernel rows one after the
+    other."""
+
+    split: NanoSplit
+    group: Any
+    scale: float | None
+    backend: str
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        parts, group = self.split.parts, self.group
+        in_flight = []
+        for j, part in enumerate(parts):
+            with _stage(f"fwd.dispatch.{j}"):
+                in_flight.append(dispatch(part, q, k, v, group, async_op=True))
+        outs, lses, returning = [], [], []
+        for j, part in enumerate(parts):
+            with _stage(f"fwd.wait_dispatch.{j}"):
+                received = _wait(in_flight[j])
+            in_flight[j] = None  # the received rows are freed once the kernel has run
+            with _stage(f"fwd.compute.{j}"):
+                out_kernel, lse = compute(part, q, k, v, received, scale=self.scale, backend=self.backend)
+            del received
+            with _stage(f"fwd.return.{j}"):
+                returning.append(return_outputs(part, out_kernel, group, async_op=True))
+            outs.append(out_kernel)
+            lses.append(lse)
+        gathered = []
+        for j, part in enumerate(parts):
+            with _stage(f"fwd.wait_return.{j}"):
+                returned = _wait(returning[j])
+            gathered.append(gather_outputs(part, outs[j], returned))  # (rows_j, Hq, D)
+        out = torch.cat(gathered).index_select(0, self.split.local_order(q.device))  # (T_local, Hq, D)
+        return out, torch.cat(lses)  # lse: (Tk_0 + Tk_1, Hq)
+
+    def backward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        dout: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        parts, group = self.split.parts, self.group
+        lses = lse.split([len(part.index.kernel_q_index) for part in parts])
+        in_flight = []
+        for j, part in enumerate(parts):
+            with _stage(f"bwd.dispatch.{j}"):
+                in_flight.append(dispatch_backward(part, q, k, v, out, dout, group, async_op=True))
+        returning = []
+        for j, part in enumerate(parts):
+            with _stage(f"bwd.wait_dispatch.{j}"):
+                received = _wait(in_flight[j])
+            in_flight[j] = None
+            with _stage(f"bwd.compute.{j}"):
+                dq_k, dk_k, dv_k = compute_backward(
+                    part, q, k, v, out, dout, lses[j], received, scale=self.scale, backend=self.backend
+                )
+            del received
+            with _stage(f"bwd.return.{j}"):
+                returning.append(return_grads(part, dq_k, dk_k, dv_k, group, async_op=True))
+            del dq_k, dk_k, dv_k
+        dqs, dk, dv = [], None, None
+        for j, part in enumerate(parts):
+            with _stage(f"bwd.wait_return.{j}"):
+                dq_j, dk_j, dv_j = gather_grads(part, returning[j], None)  # dk/dv: accumulation dtype
+            returning[j] = None
+            dqs.append(dq_j)  # (rows_j, Hq, D)
+            dk, dv = (dk_j, dv_j) if dk is None else (dk + dk_j, dv + dv_j)  # (T_local, Hkv, D)
+        dq = torch.cat(dqs).index_select(0, self.split.local_order(q.device))  # (T_local, Hq, D)
+        return dq, dk.to(k.dtype), dv.to(k.dtype)
 
 
 @dataclass(frozen=True)
@@ -183,7 +291,13 @@ def core_attention(
     config = config or DistCAConfig()
     prepared = prepare(q, k, v, pieces, group=group, config=config, all_pieces=all_pieces)
     metrics.record_call(prepared.flops_before, prepared.flops_after)
-    return _AttentionOp.apply(q, k, v, EngineRunner(prepared, group, scale, config.backend), None)
+    ping_pong = config.ping_pong if config.ping_pong is not None else q.is_cuda
+    if ping_pong and prepared.communicates:  # every rank decides alike: same config, same plan
+        split = nano_batches(prepared, config.shard_tokens, config.ping_pong_split)
+        runner = PingPongRunner(split, group, scale, config.backend)
+    else:
+        runner = EngineRunner(prepared, group, scale, config.backend)
+    return _AttentionOp.apply(q, k, v, runner, None)
 
 
 def local_attention(

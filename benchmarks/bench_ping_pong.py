@@ -1,0 +1,480 @@
+"""Step time with ping-pong vs without overlap vs free communication, and where the messages are hidden.
+
+Run with torchrun on 2 or more GPUs (one link per run: pass ``--link`` to label it, e.g. run once as is
+over NVLink and once with ``NCCL_P2P_DISABLE=1``, which routes the all-to-all through host memory at
+about one inter-node NIC's bandwidth). One model (the recipe's ``llama3-8b-shaped`` with ``--layers``
+layers, bf16, attn_implementation="distca", DDP, rematerialization-aware checkpointing by default) and,
+for every length sample and every ``--tokens-per-rank``, the same micro-batches trained in each mode:
+
+- ``ping_pong``: DistCAConfig(ping_pong=True) with its default split (``local_first``: the work that
+  needs no exchange in two halves around the work that does, whose exchanges fly during them), forward
+  and backward;
+- ``ping_pong_halves``: ping_pong_split="halves": two nano-batches of equal work, each with its own
+  exchanges (the DistCA paper's ping and pong);
+- ``serial``: ping_pong=False: dispatch, kernel, return one after the other;
+- ``signal``: serial with every core-attention exchange replaced by 1-byte messages
+  (hf_distca.comm.signal_only): the same schedule, synchronisation and kernels with (almost) free
+  communication; the step time ping-pong aims at;
+- ``signal_pp``: ping-pong with 1-byte messages (what splitting the kernels in two costs by itself);
+- ``unbalanced``: the exact computation without balancing (max_planner_moves=0), ping-pong on (it still
+  exchanges the KV of documents cut over ranks).
+
+Core-attention exchanges run on their own process group (``--attn-group dedicated``, the default), so
+DDP's gradient all-reduce does not queue behind them on one NCCL stream. Reported per mode: median step
+time (slowest rank) over ``--steps`` steps after ``--warmup``, ratios to ``serial`` and ``signal``, peak
+memory, core-attention bytes sent and kernel runs per step. Then one step of each ``--profile`` mode runs
+under torch.profiler: the trace (rank 0) is written to ``--trace-dir`` and summarised per engine call
+(one per layer and pass): its communication kernels' time, how much of it overlapped compute kernels
+(hidden) and how much did not (exposed), and its server kernels' time.
+
+    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 benchmarks/bench_ping_pong.py --layers 8 \\
+        --tokens-per-rank 32768,65536 --doc-lengths mix --doc-lengths prolong=doclens_prolong.json \\
+        --link nvlink --out ping_pong.md --json ping_pong.json --trace-dir traces
+
+``--cpu`` is a smoke test (gloo, float32, tiny sizes; the summary then reads the stages' CPU ranges).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gzip
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_remat import LossModel, load_lengths, long_share, recipe_model_shape, set_mode  # noqa: E402
+
+from hf_distca import DistCAConfig, enable_distca, metrics  # noqa: E402
+from hf_distca.comm import signal_only  # noqa: E402
+from hf_distca.data import DistCABatches, documents_with_lengths  # noqa: E402
+
+VOCAB_DOCS = 32000
+MODES = ("ping_pong", "ping_pong_halves", "serial", "signal", "signal_pp", "unbalanced")
+MODE_CONFIG = {
+    "ping_pong": {"ping_pong": True},
+    "ping_pong_halves": {"ping_pong": True, "ping_pong_split": "halves"},
+    "serial": {"ping_pong": False},
+    "signal": {"ping_pong": False},
+    "signal_pp": {"ping_pong": True},
+    "unbalanced": {"ping_pong": True, "max_planner_moves": 0},
+}
+SIGNAL_ONLY = {"signal", "signal_pp"}
+DEVICE = torch.device("cuda")
+DTYPE = torch.bfloat16
+
+
+def barrier() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def max_over_ranks(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=DEVICE)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def one_step(model, opt, batch: dict, mode: str) -> None:
+    with signal_only() if mode in SIGNAL_ONLY else contextlib.nullcontext():
+        loss = model(**batch)
+        loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def run_mode(model, opt, batches: list[dict], mode: str, warmup: int) -> dict:
+    times, kernels, sent, imbalance = [], [], [], []
+    cuda = DEVICE.type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+    for i, batch in enumerate(batches):
+        if i == warmup and cuda:
+            torch.cuda.reset_peak_memory_stats()
+        barrier()
+        metrics.reset()
+        start = time.perf_counter()
+        one_step(model, opt, batch, mode)
+        barrier()
+        elapsed = time.perf_counter() - start
+        stats = metrics.snapshot()
+        if i >= warmup:
+            times.append(elapsed)
+            kernels.append(stats.attn_fwd_kernels)
+            sent.append(stats.bytes_sent)
+            imbalance.append((stats.imbalance_before, stats.imbalance_after))
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+    step_times = [max_over_ranks([t])[0] for t in times]
+    peak_max, kernels_max, sent_max = max_over_ranks([peak, float(max(kernels)), float(max(sent))])
+    return {
+        "step_s": statistics.median(step_times),
+        "steps": step_times,
+        "peak_gib": peak_max,
+        "kernels": int(kernels_max),
+        "sent_gib": sent_max / 2**30,
+        "imbalance": imbalance[0],
+    }
+
+
+def profile_step(model, opt, batch: dict, mode: str, trace_path: str | None, rank: int) -> dict:
+    """One step under torch.profiler; rank 0 writes the trace (gzip) and returns its summary."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if DEVICE.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    barrier()
+    with torch.profiler.profile(activities=activities) as prof:
+        one_step(model, opt, batch, mode)
+        barrier()
+    if rank != 0:
+        return {}
+    raw = (trace_path or "trace") + ".json"
+    prof.export_chrome_trace(raw)
+    with open(raw) as f:
+        trace = json.load(f)
+    if trace_path:
+        with open(raw, "rb") as src, gzip.open(raw + ".gz", "wb") as dst:
+            dst.write(src.read())
+    os.remove(raw)
+    return summarize_trace(trace)
+
+
+# ----------------------------------------------------------------------------------- trace summary
+def _overlap(interval: tuple[float, float], merged: list[tuple[float, float]]) -> float:
+    a, b = interval
+    return sum(max(0.0, min(b, y) - max(a, x)) for x, y in merged if x < b and y > a)
+
+
+def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def summarize_trace(trace: dict) -> dict:
+    """A chrome trace of torch.profiler, summarised (times in ms):
+
+    ``calls``: per engine call (pass, index in call order), the stages in the order they started and,
+    with GPU kernels in the trace, ``comm_ms`` (NCCL kernels launched inside the call's ``distca.*``
+    ranges), ``hidden_ms`` (the part of them that ran while some non-NCCL kernel ran), ``exposed_ms``
+    (the rest) and ``server_ms`` (kernels launched inside its compute stages); without GPU kernels (a
+    CPU run), ``wait_ms`` (time blocked in exchanges: the wait stages, and serial dispatch/return) and
+    ``server_ms`` (the compute stages' CPU time).
+    ``nccl``: per NCCL kernel name, its total time and hidden part, whoever launched it (DDP's
+    all-reduce too). ``span_ms``, ``compute_busy_ms``: from the first to the last kernel, and the time
+    in it when some non-NCCL kernel ran (the rest is the compute units' idle time)."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    ranges = sorted(
+        (
+            e
+            for e in events
+            if str(e.get("name", "")).startswith("distca.") and e.get("cat") == "user_annotation"
+        ),
+        key=lambda e: e["ts"],
+    )
+    calls: dict[tuple[str, int], dict] = {}
+    seen: dict[str, int] = {}
+    located = []  # (tid, start, end, call key, stage)
+    for e in ranges:
+        _, phase, stage, *nano = e["name"].split(".")
+        name = ".".join([stage, *nano])
+        first_stage = stage == "dispatch" and nano in ([], ["0"])
+        if first_stage:
+            seen[phase] = seen.get(phase, -1) + 1
+        key = (phase, seen.get(phase, 0))
+        call = calls.setdefault(key, {"pass": phase, "call": key[1], "stages": [], "cpu": {}})
+        call["stages"].append(name)
+        call["cpu"][name] = call["cpu"].get(name, 0.0) + e["dur"] / 1e3
+        located.append((e.get("tid"), e["ts"], e["ts"] + e["dur"], key, stage))
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    launches = {
+        e["args"]["correlation"]: e
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+    }
+    summary: dict = {"nccl": {}}
+    if kernels:
+        compute = _merge([(k["ts"], k["ts"] + k["dur"]) for k in kernels if "nccl" not in k["name"].lower()])
+        summary["span_ms"] = (max(k["ts"] + k["dur"] for k in kernels) - min(k["ts"] for k in kernels)) / 1e3
+        summary["compute_busy_ms"] = sum(b - a for a, b in compute) / 1e3
+        for k in kernels:
+            if "nccl" in k["name"].lower():
+                family = summary["nccl"].setdefault(k["name"].split("(")[0], {"ms": 0.0, "hidden_ms": 0.0})
+                family["ms"] += k["dur"] / 1e3
+                family["hidden_ms"] += _overlap((k["ts"], k["ts"] + k["dur"]), compute) / 1e3
+        for call in calls.values():
+            call.update(comm_ms=0.0, hidden_ms=0.0, server_ms=0.0)
+        for k in kernels:
+            launch = launches.get(k.get("args", {}).get("correlation"))
+            if launch is None:
+                continue
+            inside = [r for r in located if r[0] == launch.get("tid") and r[1] <= launch["ts"] <= r[2]]
+            if not inside:
+                continue
+            _, _, _, key, stage = max(inside, key=lambda r: r[1])  # the innermost range
+            call, span = calls[key], (k["ts"], k["ts"] + k["dur"])
+            if "nccl" in k["name"].lower():
+                call["comm_ms"] += k["dur"] / 1e3
+                call["hidden_ms"] += _overlap(span, compute) / 1e3
+            elif stage == "compute":
+                call["server_ms"] += k["dur"] / 1e3
+        for call in calls.values():
+            call["exposed_ms"] = call["comm_ms"] - call["hidden_ms"]
+    else:
+        for call in calls.values():
+            blocking = [n for n in call["cpu"] if n.startswith("wait_") or n in ("dispatch", "return")]
+            call["wait_ms"] = sum(call["cpu"][n] for n in blocking)
+            call["server_ms"] = sum(t for n, t in call["cpu"].items() if n.startswith("compute"))
+    for call in calls.values():
+        del call["cpu"]
+    summary["calls"] = [calls[k] for k in sorted(calls, key=lambda k: (k[0] != "fwd", k[1]))]
+    return summary
+
+
+# ------------------------------------------------------------------------------------------ the run
+def build_batches(sample: list[int], tokens_per_rank: int, count: int, rank: int, world: int, seed: int):
+    rng = np.random.default_rng(seed)
+    wanted = count * tokens_per_rank * world * 3
+    lengths: list[int] = []
+    while sum(lengths) < wanted:
+        lengths += rng.choice(np.asarray(sample), size=256).tolist()
+    docs = documents_with_lengths(lengths, vocab_size=VOCAB_DOCS, seed=seed)
+    source = DistCABatches(docs, rank=rank, world_size=world, tokens_per_rank=tokens_per_rank, seed=seed)
+    batches = []
+    for batch in source:
+        batches.append(
+            {
+                "input_ids": batch["input_ids"].to(DEVICE),
+                "position_ids": batch["position_ids"].to(DEVICE),
+                "shift_labels": batch["shift_labels"].to(DEVICE),
+                "distca_layout": batch["distca_layout"],
+                "num_targets": int(batch["shift_labels"].ne(-100).sum()),
+            }
+        )
+        if len(batches) == count:
+            break
+    return batches
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama3-8b-shaped", help="a built-in model of the recipe")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--tokens-per-rank", default="32768,65536", help="comma-separated sizes")
+    p.add_argument(
+        "--doc-lengths", action="append", default=None, help="'mix' or [name=]path.json (repeatable)"
+    )
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
+    p.add_argument(
+        "--profile",
+        default="ping_pong,ping_pong_halves,serial",
+        help="modes profiled for the timeline ('': none)",
+    )
+    p.add_argument("--checkpointing", choices=("remat", "none"), default="remat")
+    p.add_argument("--attn-group", choices=("dedicated", "world"), default="dedicated")
+    p.add_argument("--backend", default="auto", help="DistCAConfig.backend")
+    p.add_argument(
+        "--link", default="nvlink", help="label of the link in the report (e.g. nvlink, p2p-disabled)"
+    )
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--loss-chunk", type=int, default=8192)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="markdown report, rewritten after every mode (rank 0)")
+    p.add_argument("--json", default=None, help="raw results (rank 0)")
+    p.add_argument("--trace-dir", default=None, help="where rank 0 writes the profiled steps' traces (gzip)")
+    p.add_argument("--cpu", action="store_true", help="smoke test on the CPU (gloo, float32)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    global DEVICE, DTYPE
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if args.cpu:
+        DEVICE, DTYPE = torch.device("cpu"), torch.float32
+    elif torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        DEVICE = torch.device("cuda", local_rank)
+    else:
+        print("bench_ping_pong.py needs CUDA GPUs (or --cpu for a smoke test)", file=sys.stderr)
+        return 2
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world < 2:
+        print("bench_ping_pong.py needs at least 2 processes (torchrun --nproc-per-node N)", file=sys.stderr)
+        return 2
+    dist.init_process_group("gloo" if args.cpu else "nccl", timeout=datetime.timedelta(seconds=300))
+    rank = dist.get_rank()
+    group = dist.new_group(list(range(world))) if args.attn_group == "dedicated" else dist.group.WORLD
+
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    shape = recipe_model_shape(args.model)
+    shape["num_hidden_layers"] = args.layers
+    shape.setdefault("vocab_size", VOCAB_DOCS)
+    config = LlamaConfig(**shape, tie_word_embeddings=False)
+    torch.manual_seed(args.seed)
+    with torch.device(DEVICE):
+        lm = AutoModelForCausalLM.from_config(config, attn_implementation="distca", dtype=DTYPE)
+    lm.config.use_cache = False
+    set_mode(lm, "remat" if args.checkpointing == "remat" else "none")
+    lm.train()
+    model = torch.nn.parallel.DistributedDataParallel(
+        LossModel(lm, args.loss_chunk),
+        device_ids=None if args.cpu else [local_rank],
+        gradient_as_bucket_view=True,
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        raise SystemExit(f"unknown modes {sorted(unknown)}; choose from {MODES}")
+    profiled = [m for m in args.profile.split(",") if m and m in modes]
+    if args.trace_dir and rank == 0:
+        os.makedirs(args.trace_dir, exist_ok=True)
+    sizes = [int(x) for x in args.tokens_per_rank.split(",") if x]
+    samples = [load_lengths(s, args.seed) for s in (args.doc_lengths or ["mix"])]
+    results: dict = {}
+    for name, sample in samples:
+        for tokens in sizes:
+            key = f"{name} / {tokens // 1024}K" if tokens >= 1024 else f"{name} / {tokens}"
+            batches = build_batches(sample, tokens, args.warmup + args.steps, rank, world, args.seed)
+            res = results[key] = {
+                "long_share": long_share(batches),
+                "tokens": tokens,
+                "modes": {},
+                "timeline": {},
+            }
+            for mode in modes:
+                cfg = DistCAConfig(backend=args.backend, **MODE_CONFIG[mode])
+                enable_distca(lm, group=group, config=cfg)
+                res["modes"][mode] = run_mode(model, opt, batches, mode, args.warmup)
+                if rank == 0:
+                    print(key, mode, res["modes"][mode], flush=True)
+                    write_outputs(results, args, world, config)
+            for mode in profiled:
+                enable_distca(lm, group=group, config=DistCAConfig(backend=args.backend, **MODE_CONFIG[mode]))
+                one_step(model, opt, batches[0], mode)  # warm: plans cached, allocator settled
+                trace = None
+                if args.trace_dir:
+                    trace = os.path.join(
+                        args.trace_dir, f"{name}_{tokens}_{mode}_{args.link}".replace("/", "_")
+                    )
+                res["timeline"][mode] = profile_step(model, opt, batches[-1], mode, trace, rank)
+            if rank == 0:
+                write_outputs(results, args, world, config)
+    if rank == 0:
+        print(write_outputs(results, args, world, config), flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+# --------------------------------------------------------------------------------------------- report
+def write_outputs(results: dict, args, world: int, config) -> str:
+    text = report(results, args, world, config)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return text
+
+
+def _timeline_rows(calls: list[dict], layers: int) -> list[str]:
+    rows = []
+    for c in calls:
+        label = f"{c['pass']} {c['call'] if c['pass'] == 'fwd' else layers - 1 - c['call']}"
+        if "comm_ms" in c:
+            share = 100 * c["hidden_ms"] / c["comm_ms"] if c["comm_ms"] else 100.0
+            rows.append(
+                f"| {label} | {c['comm_ms']:.2f} | {c['hidden_ms']:.2f} ({share:.0f}%) | {c['exposed_ms']:.2f} | "
+                f"{c['server_ms']:.2f} | {' '.join(c['stages'])} |"
+            )
+        else:
+            rows.append(
+                f"| {label} | {c['wait_ms']:.2f} (CPU, blocked) | | | {c['server_ms']:.2f} | {' '.join(c['stages'])} |"
+            )
+    return rows
+
+
+def report(results: dict, args, world: int, config) -> str:
+    cmd = " ".join(["torchrun", f"--nproc-per-node {world}", *sys.argv])
+    device = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "CPU (smoke test)"
+    env = []
+    if DEVICE.type == "cuda":
+        env = ["NCCL_NVLS_ENABLE=0"] + [f"NCCL_P2P_DISABLE={os.environ['NCCL_P2P_DISABLE']}"] * (
+            "NCCL_P2P_DISABLE" in os.environ
+        )
+    lines = [
+        f"## Ping-pong, {world} x {device}, link: {args.link}, {args.model} ({args.layers} layers)",
+        "",
+        f"Command: `{' '.join([*env, cmd])}`",
+        "",
+        f"torch {torch.__version__}, {DTYPE}, hidden {config.hidden_size}, {config.num_attention_heads}/"
+        f"{config.num_key_value_heads} heads, vocabulary {config.vocab_size}; DDP; SGD; checkpointing: "
+        f"{args.checkpointing}; attention exchanges on a {args.attn_group} process group; kernel backend "
+        f"{args.backend}; median of {args.steps} steps after {args.warmup} warm-up, slowest rank (same "
+        "micro-batches in every mode). `vs signal`: step time / signal-only step time (the goal: <= 1.05 for "
+        "ping_pong).",
+        "",
+        "| sample / tokens per rank (tokens in docs >= 16K) | mode | step time (s) | vs serial | vs signal | "
+        "peak memory (GiB) | attn fwd kernels / step | core-attn bytes sent / step (GiB) | imbalance before -> after |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for key, res in results.items():
+        serial = res["modes"].get("serial", {}).get("step_s")
+        signal = res["modes"].get("signal", {}).get("step_s")
+        for mode, r in res["modes"].items():
+            vs_serial = f"{serial / r['step_s']:.2f}x faster" if serial else ""
+            vs_signal = f"{r['step_s'] / signal:.3f}" if signal else ""
+            lines.append(
+                f"| {key} ({100 * res['long_share']:.0f}%) | {mode} | {r['step_s']:.3f} | {vs_serial} | {vs_signal} | "
+                f"{r['peak_gib']:.1f} | {r['kernels']} | {r['sent_gib']:.3f} | "
+                f"{r['imbalance'][0]:.2f} -> {r['imbalance'][1]:.2f} |"
+            )
+    for key, res in results.items():
+        for mode, summary in res.get("timeline", {}).items():
+            calls = summary.get("calls")
+            if not calls:
+                continue
+            lines += [
+                "",
+                f"### Timeline: {key}, {mode} (one profiled step, rank 0, per layer and pass)",
+                "",
+                "| layer | comm kernels (ms) | hidden behind compute (ms) | exposed (ms) | server kernels (ms) | "
+                "stages in start order |",
+                "|---|---|---|---|---|---|",
+                *_timeline_rows(calls, args.layers),
+            ]
+            if "comm_ms" in calls[0]:
+                comm = sum(c["comm_ms"] for c in calls)
+                hidden = sum(c["hidden_ms"] for c in calls)
+                lines.append(
+                    f"| all | {comm:.1f} | {hidden:.1f} ({100 * hidden / comm if comm else 100:.0f}%) | "
+                    f"{comm - hidden:.1f} | {sum(c['server_ms'] for c in calls):.1f} | |"
+                )
+                idle = summary["span_ms"] - summary["compute_busy_ms"]
+                lines += ["", f"Step: kernels from first to last {summary['span_ms']:.1f} ms, compute idle {idle:.1f} ms. "
+                          "NCCL kernels (all of them, DDP's too): " + "; ".join(
+                              f"{name} {v['ms']:.1f} ms ({100 * v['hidden_ms'] / v['ms'] if v['ms'] else 100:.0f}% hidden)"
+                              for name, v in summary["nccl"].items()) + "."]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
