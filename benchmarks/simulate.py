@@ -77,6 +77,7 @@ from hf_distca.config import DistCAConfig
 from hf_distca.data.baselines import LAYOUTS
 from hf_distca.planning import MeasuredCost, plan_core_attention
 from hf_distca.planning.cost import causal_pairs
+from hf_distca.planning.links import attention_flops_per_pair
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from workloads import documents_for, draw_lengths, global_batches, load_sample  # noqa: E402
@@ -102,10 +103,12 @@ STRAGGLER_4_LAYERS = {2048: 1.33, 8192: 1.52, 32768: 2.23, 65536: 3.18}
 Llama-3-8B-shaped stack (128K vocabulary, gradient checkpointing, varlen attention) on 1 H200 (DESIGN.md)."""
 NON_ATTENTION_8_LAYERS = 2.3
 """Seconds of the non-attention part of a step of 65536 tokens per rank, 8 layers (DESIGN.md, Measured)."""
+PLANNER_INTRA_BYTES = 256 * 2**20
+"""Per-rank all-to-all volume at which the comm-aware planner reads the intra-node bandwidth."""
 FLOP_RATIO_FWD_BWD = 3.5
 """forward+backward over forward FLOPs of attention (backward ~2.5 forward), the kernels table's convention."""
 
-SYSTEMS = ("hf-default", "exact-unbalanced", "balanced", "distca", "distca-pingpong")
+SYSTEMS = ("hf-default", "exact-unbalanced", "balanced", "distca", "distca-comm", "distca-pingpong")
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,9 @@ class System:
     overlap: bool = False
     """Communication hidden under compute as far as compute lasts (ping-pong): a projection, not
     implemented in hf_distca; off for every measured system."""
+    comm_aware: bool = False
+    """The planner prices moves against the simulated links (``DistCAConfig(link_gib_per_s=inter-node,
+    intra_node_gib_per_s=..., ranks_per_node=GPUs per node)``, see :func:`planner_config`)."""
 
 
 SYSTEM_SPECS = {
@@ -130,6 +136,7 @@ SYSTEM_SPECS = {
     "exact-unbalanced": System("exact-unbalanced", "distca", True, False),
     "balanced": System("balanced", "balanced", True, False),
     "distca": System("distca", "distca", True, True),
+    "distca-comm": System("distca-comm", "distca", True, True, comm_aware=True),
     "distca-pingpong": System("distca-pingpong", "distca", True, True, overlap=True),
 }
 
@@ -248,6 +255,10 @@ class Links:
             y = np.where(x < xs[0], ys[0] + (x - xs[0]) * slope, y)
         return np.where(nbytes > 0, nbytes / np.exp(y), 0.0)
 
+    def intra_gibps_at(self, nbytes: float) -> float:
+        """GiB/s of the intra-node all-to-all at ``nbytes`` per rank."""
+        return float(nbytes / self.intra_seconds(np.array([nbytes]))[0]) / 2**30
+
     def phase_seconds(self, matrix: np.ndarray) -> float:
         """Duration of one all-to-all: ``matrix[src, dst]`` bytes; the slowest rank, its NVLink and
         inter-node traffic moving at the same time, sending and receiving at the same time."""
@@ -344,6 +355,24 @@ def phases(q: np.ndarray, kv: np.ndarray, recompute: str) -> list[np.ndarray]:
     return forward + (forward if recompute == "full" else []) + backward
 
 
+def planner_config(system: System, s: Setting, tolerance: float | None = None) -> DistCAConfig:
+    """The DistCAConfig a system's planner runs with: ``tolerance`` (default DistCAConfig's), no move
+    without balancing, and for ``comm_aware`` systems the simulated links: ``link_gib_per_s`` the
+    inter-node bandwidth, ``ranks_per_node`` the GPUs per node, ``intra_node_gib_per_s`` the intra-node
+    all-to-all's bandwidth at 256 MiB per rank (the planner takes one flat figure per link class)."""
+    fields = {
+        "tolerance": DistCAConfig().tolerance if tolerance is None else tolerance,
+        "max_planner_moves": DistCAConfig().max_planner_moves if system.balance else 0,
+    }
+    if system.comm_aware:
+        fields.update(
+            link_gib_per_s=s.links.inter_gibps,
+            ranks_per_node=s.links.gpus_per_node,
+            intra_node_gib_per_s=s.links.intra_gibps_at(PLANNER_INTRA_BYTES),
+        )
+    return DistCAConfig(**fields)
+
+
 def simulate_micro_batch(
     system: System, lengths: Sequence[int], s: Setting, tolerance: float | None = None
 ) -> MicroBatch:
@@ -364,10 +393,8 @@ def simulate_micro_batch(
         pieces,
         q_row_bytes=s.model.q_row_bytes,
         kv_row_bytes=s.model.kv_row_bytes,
-        config=DistCAConfig(
-            tolerance=DistCAConfig().tolerance if tolerance is None else tolerance,
-            max_planner_moves=DistCAConfig().max_planner_moves if system.balance else 0,
-        ),
+        config=planner_config(system, s, tolerance),
+        flops_per_pair=attention_flops_per_pair(s.model.heads, s.model.head_dim),
     )
     attention = np.array([sum(seconds(t.q_len, t.q_end) for t in tasks) for tasks in plan.tasks]) * layers
     q, kv = traffic(plan, s.model.q_row_bytes, s.model.kv_row_bytes)

@@ -40,6 +40,7 @@ from hf_distca.engine.consistency import (
 from hf_distca.planning import (
     CorePlan,
     DispatchIndex,
+    attention_flops_per_pair,
     build_dispatch_index,
     cost_model_from_config,
     plan_core_attention,
@@ -227,6 +228,7 @@ def _planned(
         kv_row_bytes=2 * kv_heads * head_dim * elem,
         config=config,
         cost_model=cost_model,
+        flops_per_pair=attention_flops_per_pair(q_heads, head_dim),
     )
     index = build_dispatch_index(plan, rank)
     metrics.record_plan(time.perf_counter() - t0)
