@@ -456,28 +456,54 @@ class _Balancer:
                 best = min(self.path) if give_up_above is None else min(give_up_above, min(self.path))
                 if self.link.critical_path(limit, self.comm[-1]) > best:
                     break
-            # with traffic priced, a destination that holds and serves nothing of src's documents is
-            # skipped once another one in its node was priced out (its moves cost the same bytes, and
-            # it is more loaded, so it relieves less)
-            special = self._involved(src) if self.traffic is not None else None
-            priced_out: set[int] = set()
-            move = None
-            for rank in np.argsort(self.loads, kind="stable"):  # least loaded first, ties by rank
-                dst = servers[rank]
-                if dst is src or dst.load >= src.load:
-                    break
-                generic = special is not None and dst.rank not in special
-                if generic and self.node(dst.rank) in priced_out:
-                    continue
-                move, rejected = self._best_move(src, dst, target)
-                if move is not None:
-                    move.src, move.dst = src.rank, dst.rank
-                    break
-                if rejected and generic:
-                    priced_out.add(self.node(dst.rank))
+            move = self._priced_move(src, target) if self.link is not None else self._first_move(src, target)
             if move is None:
                 break
             self.apply(move)
+
+    def _first_move(self, src: _Server, target: float) -> _Move | None:
+        """The balance-only choice: the best move to the least loaded destination that has one."""
+        special = self._involved(src) if self.traffic is not None else None
+        priced_out: set[int] = set()  # nodes of destinations the send bound turned down
+        for rank in np.argsort(self.loads, kind="stable"):  # least loaded first, ties by rank
+            dst = self.servers[rank]
+            if dst is src or dst.load >= src.load:
+                break
+            # a destination that holds and serves nothing of src's documents is skipped once another one
+            # in its node was turned down by the send bound (its moves send the same bytes)
+            generic = special is not None and dst.rank not in special
+            if generic and self.node(dst.rank) in priced_out:
+                continue
+            move, rejected = self._best_move(src, dst, target)
+            if move is not None:
+                move.src, move.dst = src.rank, dst.rank
+                return move
+            if rejected and generic:
+                priced_out.add(self.node(dst.rank))
+        return None
+
+    def _priced_move(self, src: _Server, target: float) -> _Move | None:
+        """The larger net gain (relief of max(src, dst) minus the exposed transfer time added) of two
+        moves: to the least loaded destination that has one, and to the least loaded one in src's node
+        that has one (where its KV travels over the fast links)."""
+        node = self.node(src.rank)
+        best = None
+        found_anywhere = found_in_node = False
+        for rank in np.argsort(self.loads, kind="stable"):  # least loaded first, ties by rank
+            dst = self.servers[rank]
+            if dst is src or dst.load >= src.load or (found_anywhere and found_in_node):
+                break
+            in_node = self.node(dst.rank) == node
+            if found_anywhere and not in_node:
+                continue
+            move, _ = self._best_move(src, dst, target)
+            if move is None:
+                continue
+            move.src, move.dst = src.rank, dst.rank
+            found_anywhere, found_in_node = True, found_in_node or in_node
+            if best is None or move.net > best.net:
+                best = move
+        return best
 
     def best_prefix(self) -> int:
         """How many of the moves made lead to the lowest critical path (the most such moves)."""
@@ -673,7 +699,7 @@ def _plan(
     balance_only.balance()
     plan = _finish(balance_only, before, link, None, unbalanced)
     exposed = plan.critical_path_after - link.critical_path(max(plan.load_after, default=0.0), 0.0)
-    if exposed <= config.tolerance * plan.critical_path_after:
+    if exposed <= config.tolerance * plan.critical_path_after and plan.critical_path_after <= unbalanced:
         return plan  # communication costs less than the imbalance the tolerance accepts
     # priced greedies, balancing to the mean and then filling destinations up to higher levels (fewer
     # servers per long document, each taking more of it); the lowest critical path wins
