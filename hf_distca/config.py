@@ -72,6 +72,12 @@ class DistCAConfig:
     would take a rank above it are skipped. Bounds how far one long document's KV prefix fans out.
     None: unbounded."""
 
+    measure_link: bool = False
+    """With ``link_gib_per_s`` None: measure it at the first engine call on each process group (a warm-up
+    and a timed all-to-all of 8 MiB per rank to the ranks in other nodes, or all others, then an
+    all-reduce so that every rank plans with the slowest rank's figure) and price communication with it.
+    Plans then depend on a measurement: runs can differ in their plans, never in their results."""
+
     check_consistency: bool = True
     """Once per new micro-batch layout, all-gather a digest of every rank's inputs (pieces, tensor
     shapes and dtype, these config fields) and raise on every rank, naming what differs where, instead

@@ -37,6 +37,7 @@ from hf_distca.engine.consistency import (
     digest64,
     raise_on_disagreement,
 )
+from hf_distca.engine.link_probe import with_measured_link
 from hf_distca.planning import (
     CorePlan,
     DispatchIndex,
@@ -180,6 +181,8 @@ def prepare(
         else:
             _seen.move_to_end(key)
         everyone, digest = seen.all_pieces, seen.digest
+    if world > 1:  # every rank reaches this point together: the link probe's collectives run here
+        config = with_measured_link(config, group, q.device)
     prepared = _planned(everyone, digest, rank, q, k, config)
     if prepared.num_local != q.shape[0]:
         raise ValueError(
