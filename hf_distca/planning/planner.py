@@ -461,14 +461,19 @@ class _Balancer:
                 break
             self.apply(move)
 
-    def _first_move(self, src: _Server, target: float) -> _Move | None:
-        """The balance-only choice: the best move to the least loaded destination that has one."""
+    def _first_move(self, src: _Server, target: float, ranks=None) -> _Move | None:
+        """The balance-only choice: the best move to the least loaded destination (of ``ranks``, default
+        all) that has one."""
         special = self._involved(src) if self.traffic is not None else None
         priced_out: set[int] = set()  # nodes of destinations the send bound turned down
-        for rank in np.argsort(self.loads, kind="stable"):  # least loaded first, ties by rank
+        if ranks is None:
+            ranks = np.argsort(self.loads, kind="stable")  # least loaded first, ties by rank
+        for rank in ranks:
             dst = self.servers[rank]
-            if dst is src or dst.load >= src.load:
-                break
+            if dst.load >= target:
+                break  # no room below the target here or further on
+            if dst is src:
+                continue
             # a destination that holds and serves nothing of src's documents is skipped once another one
             # in its node was turned down by the send bound (its moves send the same bytes)
             generic = special is not None and dst.rank not in special
@@ -486,24 +491,16 @@ class _Balancer:
         """The larger net gain (relief of max(src, dst) minus the exposed transfer time added) of two
         moves: to the least loaded destination that has one, and to the least loaded one in src's node
         that has one (where its KV travels over the fast links)."""
-        node = self.node(src.rank)
-        best = None
-        found_anywhere = found_in_node = False
-        for rank in np.argsort(self.loads, kind="stable"):  # least loaded first, ties by rank
-            dst = self.servers[rank]
-            if dst is src or dst.load >= src.load or (found_anywhere and found_in_node):
-                break
-            in_node = self.node(dst.rank) == node
-            if found_anywhere and not in_node:
-                continue
-            move, _ = self._best_move(src, dst, target)
-            if move is None:
-                continue
-            move.src, move.dst = src.rank, dst.rank
-            found_anywhere, found_in_node = True, found_in_node or in_node
-            if best is None or move.net > best.net:
-                best = move
-        return best
+        anywhere = self._first_move(src, target)
+        per = self.link.ranks_per_node
+        if per is None or (anywhere is not None and self.node(anywhere.dst) == self.node(src.rank)):
+            return anywhere
+        first = self.node(src.rank) * per
+        members = range(first, min(first + per, len(self.servers)))
+        local = self._first_move(src, target, sorted(members, key=lambda r: (self.loads[r], r)))
+        if anywhere is None or (local is not None and local.net > anywhere.net):
+            return local
+        return anywhere
 
     def best_prefix(self) -> int:
         """How many of the moves made lead to the lowest critical path (the most such moves)."""
@@ -591,12 +588,10 @@ class _Balancer:
         down."""
         if c <= 0 or dst.load + c >= src.load:
             return None, False
-        index, q_row, kv_row = self.index, self.q_row, self.kv_row
+        q_row, kv_row = self.q_row, self.kv_row
         have = dst.kv_need.get(doc, 0)
-        q_in = (y - x) - index.count_held_by(doc, x, y, dst.rank)
-        kv_in = 0
-        if y > have:
-            kv_in = (y - have) - index.count_held_by(doc, have, y, dst.rank)
+        q_in = sum(n for h, n in self.segments(doc, x, y) if h != dst.rank)  # rows dst lacks
+        kv_in = sum(n for h, n in self.segments(doc, have, y) if h != dst.rank) if y > have else 0
         bytes_in = q_in * q_row + kv_in * kv_row
         bound = self.config.max_recv_bytes_per_server
         if bound is not None and dst.recv_bytes + bytes_in > bound:
