@@ -11,7 +11,10 @@ bandwidth per GPU) and prices every rank's work:
   rank computes its own pieces, fetching the KV prefix of pieces cut over ranks), ``balanced``
   (WLB-LLM-style balanced packing, hf_distca.data.baselines.balanced_layout, run like
   exact-unbalanced), ``distca`` (the rebatcher's layout and the real planner,
-  ``hf_distca.plan_core_attention``, ``--tolerance``, default 0.1) and ``distca-pingpong`` (a
+  ``hf_distca.plan_core_attention``, ``--tolerance``, default 0.1, balancing compute only),
+  ``distca-comm`` (the same planner pricing communication on the simulated links: ``DistCAConfig(
+  link_gib_per_s=--inter-node-gibps, ranks_per_node=--gpus-per-node, intra_node_gib_per_s=the intra-node
+  all-to-all at 256 MiB per rank)``, see :func:`planner_config`) and ``distca-pingpong`` (a
   projection: distca with each micro-batch's communication hidden under its compute as far as that
   lasts, which ping-pong nano-batches would do; hf_distca does not implement it).
 - core attention: every CA-task (queries [a, b) of a document over keys [0, b)) costs its causal
