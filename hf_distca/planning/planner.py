@@ -8,17 +8,19 @@ point sits on a multiple of ``shard_tokens``. Cost is whatever the cost model re
 (query, key) pairs by default; see :mod:`hf_distca.planning.cost`).
 
 With a link bandwidth (``DistCAConfig.link_gib_per_s``) the planner also prices communication
-(:mod:`hf_distca.planning.links`): it tracks the exact bytes every rank sends and receives on each link
-class, and the step's critical path, slowest server's compute + exposed all-to-all time. A candidate
-move is allowed only when the compute it takes off max(source, destination) exceeds the exposed
-transfer time it adds, its cost per byte counts bytes by the cost of their link and nets out that
-time, and when every move that fits the destination's deficit is priced out a larger shard (up to
-evening out the two) is tried, one KV prefix buying more work. The plan keeps the moves up to the
-lowest critical path. When the transfer time left is more than ``tolerance`` of the critical path,
-it also balances towards levels above the mean (fewer servers per long document, each taking more of
-it) and keeps the level with the lowest critical path: never slower, in the model, than no balancing.
-With free links (infinite bandwidth, or ``comm_overlap`` 1) every price is zero and the plan is the
-balance-only one.
+(:mod:`hf_distca.planning.links`): the step's critical path is the slowest server's compute plus the
+exposed time of the engine's all-to-alls, each as long as its slowest rank. The balance-only plan is
+kept when its transfer time is within ``tolerance`` of its critical path and it is no slower than no
+balancing (so free links, infinite bandwidth or ``comm_overlap`` 1, give exactly the balance-only plan).
+Otherwise priced greedies run, tracking the exact bytes of every rank on each link class: a candidate
+move is allowed only when the compute it takes off max(source, destination) exceeds the exposed transfer
+time it adds (its cost per byte is netted of that time); each step compares the best move to the least
+loaded destination with the best one inside the source's node and takes the larger net gain; when every
+move that fits a destination's deficit is priced out, a larger shard (up to evening out the two) is
+tried, one KV prefix buying more work. One greedy balances to the mean, others fill destinations up to
+levels above it (fewer servers per long document, each taking more of it); each keeps its moves up to
+its lowest critical path, and the plan is the lowest of them, of the balance-only plan and of no
+balancing: never slower, in the model, than either.
 """
 
 from __future__ import annotations
