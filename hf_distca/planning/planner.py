@@ -399,7 +399,7 @@ class _Balancer:
         return changes
 
     def critical_path(self) -> float:
-        return self.link.critical_path(float(self.loads.max()), self.comm[-1])
+        return self.link.critical_path(float(self.loads.max()) if self.loads.size else 0.0, self.comm[-1])
 
     def _own(self, rank: int, doc: int) -> _Server:
         """Server ``rank``, copied first when it is still shared with the state this one was cloned from
