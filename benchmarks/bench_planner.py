@@ -7,12 +7,17 @@ where they fit, longer ones cut over ranks head/tail; padding to the budget). Th
 attention for the first ``--batches`` steps and prints a markdown table: attention imbalance (max /
 mean causal attention cost per server) with every rank computing its own pieces with their full
 context ("before", the metrics records' ``imbalance_before``) and after planning, planning time, and
-the bytes each rank sends per layer in the forward (Q and KV out, outputs back).
+the bytes each rank sends per layer in the forward (Q and KV out, outputs back). With
+``--link-gib-per-s`` (and ``--ranks-per-node``, ``--intra-node-gib-per-s``: the DistCAConfig flags) the
+planner prices communication, and the table adds the critical path of one layer (forward+backward core
+attention plus exposed all-to-all, hf_distca.planning.links) with no balancing, with the balance-only
+plan and with the plan, and the KV fan-out (most servers reading one document's KV prefix from one
+holder) of the balance-only plan and the plan.
 
 Example (the DistCA sample files are described in the shared data README):
 
     python benchmarks/bench_planner.py --doclens PATH/doclens_pretrain.json --world 8 32 64 \
-        --tokens-per-rank 65536 --batches 5
+        --tokens-per-rank 65536 --batches 5 [--link-gib-per-s 23.3 --ranks-per-node 8 --intra-node-gib-per-s 260]
 """
 
 from __future__ import annotations
@@ -27,7 +32,14 @@ import numpy as np
 
 from hf_distca import plan_core_attention
 from hf_distca.cli import add_config_arguments, config_from_args
+from hf_distca.config import DistCAConfig
 from hf_distca.data import layout_pieces, plan_global_batches
+from hf_distca.planning import (
+    attention_flops_per_pair,
+    cost_model_from_config,
+    link_model_from_config,
+    plan_critical_path,
+)
 
 
 def global_batches(doclens: list[int], world: int, per_rank: int, batches: int, seed: int):
@@ -44,6 +56,16 @@ def global_batches(doclens: list[int], world: int, per_rank: int, batches: int, 
             sum(lengths) / budget,
             layout_pieces(lengths, world_size=world, tokens_per_rank=per_rank),
         )
+
+
+def kv_fanout(plan) -> int:
+    """Most servers reading part of one document's KV prefix from the same holder."""
+    readers: dict[tuple[int, int], int] = {}
+    for server, prefixes in enumerate(plan.kv_prefix):
+        for doc, prefix in prefixes.items():
+            for holder in {h for h, _, _ in plan.index.segments(doc, 0, prefix)} - {server}:
+                readers[doc, holder] = readers.get((doc, holder), 0) + 1
+    return max(readers.values(), default=0)
 
 
 def cpu_name() -> str:
@@ -79,37 +101,64 @@ def main(argv: list[str] | None = None) -> None:
     q_row = args.heads * args.head_dim * args.elem_bytes
     kv_row = 2 * args.kv_heads * args.head_dim * args.elem_bytes
     config = config_from_args(args)
-    plan_core_attention([[(0, 0, 1)]], q_row_bytes=q_row, kv_row_bytes=kv_row, config=config)  # warm-up
+    flops = attention_flops_per_pair(args.heads, args.head_dim)
+    link = link_model_from_config(config, cost_model_from_config(config), flops)
+    balance_only = DistCAConfig(**{**config.__dict__, "link_gib_per_s": None})
+
+    def plan(pieces, cfg=config):
+        return plan_core_attention(
+            pieces, q_row_bytes=q_row, kv_row_bytes=kv_row, config=cfg, flops_per_pair=flops
+        )
+
+    plan([[(0, 0, 1)]])  # warm-up
 
     print(
         f"CPU: {cpu_name()}, Python {platform.python_version()}, numpy {np.__version__}\n\n"
         f"doclens: {len(doclens)} documents (median {int(np.median(doclens))}, max {max(doclens)}); "
         f"{args.tokens_per_rank} tokens per rank; tolerance {config.tolerance}, shard_tokens {config.shard_tokens}; "
-        f"bytes per row: Q {q_row}, KV {kv_row}; medians over {args.batches} batches (seed {args.seed})\n"
+        f"bytes per row: Q {q_row}, KV {kv_row}; medians over {args.batches} batches (seed {args.seed})"
+        + (
+            f"; links: {config.link_gib_per_s} GiB/s, {config.intra_node_gib_per_s} GiB/s inside nodes of "
+            f"{config.ranks_per_node} ranks, compute at {config.attention_tflops} TFLOP/s forward+backward"
+            if link is not None
+            else ""
+        )
+        + "\n"
     )
-    print(
+    head = (
         "| servers | docs / batch | fill | cut docs / batch | imbalance before | imbalance after | moves "
         "| plan ms (median) | plan ms (max) | MiB sent / rank / layer (mean) | (max) |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    rule = "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    if link is not None:
+        head += " critical path ms: unbalanced | balance-only | plan | KV fan-out: balance-only | plan |"
+        rule += "---:|---:|---:|---:|---:|"
+    print(head)
+    print(rule)
     for world in args.world:
         rows = []
         for num_docs, fill, pieces in global_batches(
             doclens, world, args.tokens_per_rank, args.batches, args.seed
         ):
             t0 = time.perf_counter()
-            plan = plan_core_attention(pieces, q_row_bytes=q_row, kv_row_bytes=kv_row, config=config)
+            planned = plan(pieces)
             seconds = time.perf_counter() - t0
             cut = len({p.doc_id for rank in pieces for p in rank if p.doc_start > 0})
-            rows.append(
-                (num_docs, fill, cut, plan.imbalance_before, plan.imbalance_after, plan.moves, seconds,
-                 statistics.fmean(plan.bytes_sent) / 2**20, max(plan.bytes_sent) / 2**20)
-            )  # fmt: skip
+            row = [num_docs, fill, cut, planned.imbalance_before, planned.imbalance_after, planned.moves, seconds,
+                   statistics.fmean(planned.bytes_sent) / 2**20, max(planned.bytes_sent) / 2**20]  # fmt: skip
+            if link is not None:
+                reference = plan(pieces, balance_only)
+                row += [planned.critical_path_before * 1e3, plan_critical_path(reference, link) * 1e3,
+                        planned.critical_path_after * 1e3, kv_fanout(reference), kv_fanout(planned)]  # fmt: skip
+            rows.append(row)
         med = [statistics.median(c) for c in zip(*rows)]
-        print(
+        line = (
             f"| {world} | {med[0]:.0f} | {med[1]:.1%} | {med[2]:.0f} | {med[3]:.2f} | {med[4]:.3f} | {med[5]:.0f} "
             f"| {med[6] * 1e3:.1f} | {max(r[6] for r in rows) * 1e3:.1f} | {med[7]:.1f} | {med[8]:.1f} |"
         )
+        if link is not None:
+            line += f" {med[9]:.1f} | {med[10]:.1f} | {med[11]:.1f} | {med[12]:.0f} | {med[13]:.0f} |"
+        print(line)
 
 
 if __name__ == "__main__":

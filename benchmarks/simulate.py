@@ -11,7 +11,10 @@ bandwidth per GPU) and prices every rank's work:
   rank computes its own pieces, fetching the KV prefix of pieces cut over ranks), ``balanced``
   (WLB-LLM-style balanced packing, hf_distca.data.baselines.balanced_layout, run like
   exact-unbalanced), ``distca`` (the rebatcher's layout and the real planner,
-  ``hf_distca.plan_core_attention``, ``--tolerance``, default 0.1) and ``distca-pingpong`` (a
+  ``hf_distca.plan_core_attention``, ``--tolerance``, default 0.1, balancing compute only),
+  ``distca-comm`` (the same planner pricing communication on the simulated links: ``DistCAConfig(
+  link_gib_per_s=--inter-node-gibps, ranks_per_node=--gpus-per-node, intra_node_gib_per_s=the intra-node
+  all-to-all at 256 MiB per rank)``, see :func:`planner_config`) and ``distca-pingpong`` (a
   projection: distca with each micro-batch's communication hidden under its compute as far as that
   lasts, which ping-pong nano-batches would do; hf_distca does not implement it).
 - core attention: every CA-task (queries [a, b) of a document over keys [0, b)) costs its causal
@@ -77,6 +80,7 @@ from hf_distca.config import DistCAConfig
 from hf_distca.data.baselines import LAYOUTS
 from hf_distca.planning import MeasuredCost, plan_core_attention
 from hf_distca.planning.cost import causal_pairs
+from hf_distca.planning.links import attention_flops_per_pair
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from workloads import documents_for, draw_lengths, global_batches, load_sample  # noqa: E402
@@ -102,10 +106,12 @@ STRAGGLER_4_LAYERS = {2048: 1.33, 8192: 1.52, 32768: 2.23, 65536: 3.18}
 Llama-3-8B-shaped stack (128K vocabulary, gradient checkpointing, varlen attention) on 1 H200 (DESIGN.md)."""
 NON_ATTENTION_8_LAYERS = 2.3
 """Seconds of the non-attention part of a step of 65536 tokens per rank, 8 layers (DESIGN.md, Measured)."""
+PLANNER_INTRA_BYTES = 256 * 2**20
+"""Per-rank all-to-all volume at which the comm-aware planner reads the intra-node bandwidth."""
 FLOP_RATIO_FWD_BWD = 3.5
 """forward+backward over forward FLOPs of attention (backward ~2.5 forward), the kernels table's convention."""
 
-SYSTEMS = ("hf-default", "exact-unbalanced", "balanced", "distca", "distca-pingpong")
+SYSTEMS = ("hf-default", "exact-unbalanced", "balanced", "distca", "distca-comm", "distca-pingpong")
 
 
 @dataclass(frozen=True)
@@ -123,6 +129,9 @@ class System:
     overlap: bool = False
     """Communication hidden under compute as far as compute lasts (ping-pong): a projection, not
     implemented in hf_distca; off for every measured system."""
+    comm_aware: bool = False
+    """The planner prices moves against the simulated links (``DistCAConfig(link_gib_per_s=inter-node,
+    intra_node_gib_per_s=..., ranks_per_node=GPUs per node)``, see :func:`planner_config`)."""
 
 
 SYSTEM_SPECS = {
@@ -130,6 +139,7 @@ SYSTEM_SPECS = {
     "exact-unbalanced": System("exact-unbalanced", "distca", True, False),
     "balanced": System("balanced", "balanced", True, False),
     "distca": System("distca", "distca", True, True),
+    "distca-comm": System("distca-comm", "distca", True, True, comm_aware=True),
     "distca-pingpong": System("distca-pingpong", "distca", True, True, overlap=True),
 }
 
@@ -248,6 +258,10 @@ class Links:
             y = np.where(x < xs[0], ys[0] + (x - xs[0]) * slope, y)
         return np.where(nbytes > 0, nbytes / np.exp(y), 0.0)
 
+    def intra_gibps_at(self, nbytes: float) -> float:
+        """GiB/s of the intra-node all-to-all at ``nbytes`` per rank."""
+        return float(nbytes / self.intra_seconds(np.array([nbytes]))[0]) / 2**30
+
     def phase_seconds(self, matrix: np.ndarray) -> float:
         """Duration of one all-to-all: ``matrix[src, dst]`` bytes; the slowest rank, its NVLink and
         inter-node traffic moving at the same time, sending and receiving at the same time."""
@@ -316,6 +330,21 @@ class MicroBatch:
     """Seconds of all-to-all over all layers (all exposed)."""
     bytes_sent: np.ndarray
     """Per rank, bytes sent over all layers and phases."""
+    inter_node_bytes: float = 0.0
+    """Bytes sent between nodes, all ranks, layers and phases."""
+    kv_fanout: int = 0
+    """Most servers that read part of one document's KV prefix from one holder."""
+
+
+def kv_fanout(plan) -> int:
+    """Most servers reading part of one document's KV prefix from the same holder (the holder sends it
+    to each of them in every layer)."""
+    readers: dict[tuple[int, int], int] = {}
+    for server, prefixes in enumerate(plan.kv_prefix):
+        for doc, prefix in prefixes.items():
+            for holder in {h for h, _, _ in plan.index.segments(doc, 0, prefix)} - {server}:
+                readers[doc, holder] = readers.get((doc, holder), 0) + 1
+    return max(readers.values(), default=0)
 
 
 def traffic(plan, q_row_bytes: int, kv_row_bytes: int) -> tuple[np.ndarray, np.ndarray]:
@@ -344,6 +373,24 @@ def phases(q: np.ndarray, kv: np.ndarray, recompute: str) -> list[np.ndarray]:
     return forward + (forward if recompute == "full" else []) + backward
 
 
+def planner_config(system: System, s: Setting, tolerance: float | None = None) -> DistCAConfig:
+    """The DistCAConfig a system's planner runs with: ``tolerance`` (default DistCAConfig's), no move
+    without balancing, and for ``comm_aware`` systems the simulated links: ``link_gib_per_s`` the
+    inter-node bandwidth, ``ranks_per_node`` the GPUs per node, ``intra_node_gib_per_s`` the intra-node
+    all-to-all's bandwidth at 256 MiB per rank (the planner takes one flat figure per link class)."""
+    fields = {
+        "tolerance": DistCAConfig().tolerance if tolerance is None else tolerance,
+        "max_planner_moves": DistCAConfig().max_planner_moves if system.balance else 0,
+    }
+    if system.comm_aware:
+        fields.update(
+            link_gib_per_s=s.links.inter_gibps,
+            ranks_per_node=s.links.gpus_per_node,
+            intra_node_gib_per_s=s.links.intra_gibps_at(PLANNER_INTRA_BYTES),
+        )
+    return DistCAConfig(**fields)
+
+
 def simulate_micro_batch(
     system: System, lengths: Sequence[int], s: Setting, tolerance: float | None = None
 ) -> MicroBatch:
@@ -364,17 +411,17 @@ def simulate_micro_batch(
         pieces,
         q_row_bytes=s.model.q_row_bytes,
         kv_row_bytes=s.model.kv_row_bytes,
-        config=DistCAConfig(
-            tolerance=DistCAConfig().tolerance if tolerance is None else tolerance,
-            max_planner_moves=DistCAConfig().max_planner_moves if system.balance else 0,
-        ),
+        config=planner_config(system, s, tolerance),
+        flops_per_pair=attention_flops_per_pair(s.model.heads, s.model.head_dim),
     )
     attention = np.array([sum(seconds(t.q_len, t.q_end) for t in tasks) for tasks in plan.tasks]) * layers
     q, kv = traffic(plan, s.model.q_row_bytes, s.model.kv_row_bytes)
     layer_phases = phases(q, kv, s.recompute)
     comm = layers * sum(s.links.phase_seconds(m) for m in layer_phases)
     sent = layers * sum(m.sum(1) - np.diag(m) for m in layer_phases)
-    return MicroBatch(linear, attention, comm, sent)
+    node = np.arange(s.world) // s.links.gpus_per_node
+    inter = layers * sum(float(m[node[:, None] != node[None, :]].sum()) for m in layer_phases)
+    return MicroBatch(linear, attention, comm, sent, inter, kv_fanout(plan))
 
 
 @dataclass
@@ -393,6 +440,12 @@ class Result:
     tokens_per_s: float
     mfu: float
     ideal_step_s: float
+    sent_max_over_mean: float = 0.0
+    """Most bytes one rank sends over the mean over ranks, per step (mean over steps)."""
+    inter_node_share: float = 0.0
+    """Fraction of the bytes sent that cross nodes."""
+    kv_fanout: int = 0
+    """Most servers reading one document's KV prefix from one holder, any micro-batch of any step."""
     busy_s: list[float] = field(default_factory=list)
     """Per rank busy seconds, mean over steps."""
 
@@ -406,7 +459,7 @@ def simulate(
 ) -> dict[str, Result]:
     """Every system on the same steps (steps -> micro-batches -> document lengths); ``tolerance``
     replaces the planner tolerance of the distca systems."""
-    per_step: dict[str, list[tuple[float, np.ndarray, float, np.ndarray]]] = {name: [] for name in systems}
+    per_step: dict[str, list[tuple]] = {name: [] for name in systems}
     ideal = []
     for step in steps:
         exact_busy = np.zeros(s.world)
@@ -426,7 +479,9 @@ def simulate(
             if name == "exact-unbalanced":
                 exact_busy = busy
             if name in per_step:
-                per_step[name].append((step_s, busy, exposed, sum(mb.bytes_sent for mb in mbs)))
+                sent = sum(mb.bytes_sent for mb in mbs)
+                inter = sum(mb.inter_node_bytes for mb in mbs)
+                per_step[name].append((step_s, busy, exposed, sent, inter, max(mb.kv_fanout for mb in mbs)))
         ideal.append(float(exact_busy.sum()) / s.world)
     tokens = [sum(n for mb in step for n in mb) for step in steps]
     flops = [s.model.model_flops([n for mb in step for n in mb]) for step in steps]
@@ -442,6 +497,11 @@ def simulate(
             imbalance=statistics.fmean(float(r[1].max() / r[1].mean()) for r in rows),
             exposed_comm_s=statistics.fmean(r[2] for r in rows),
             sent_gib_max=statistics.fmean(float(r[3].max()) for r in rows) / 2**30,
+            sent_max_over_mean=statistics.fmean(
+                float(r[3].max() / r[3].mean()) if r[3].any() else 0.0 for r in rows
+            ),
+            inter_node_share=sum(r[4] for r in rows) / max(sum(float(r[3].sum()) for r in rows), 1.0),
+            kv_fanout=max(r[5] for r in rows),
             tokens_per_s=sum(tokens) / sum(times),
             mfu=sum(flops) / (sum(times) * s.world * PEAK_TFLOPS * 1e12),
             ideal_step_s=statistics.fmean(ideal),
@@ -556,12 +616,17 @@ def write_report(rows: list[Row], info: dict, args, command: str) -> str:
         "every system trains the same documents per step",
         "- no communication is overlapped with compute (ping-pong is not implemented): exposed = all, "
         "except in the distca-pingpong row",
+        "- distca-comm's planner: DistCAConfig(link_gib_per_s=the inter-node figure, ranks_per_node="
+        f"{args.gpus_per_node}, intra_node_gib_per_s=the intra-node all-to-all at 256 MiB per rank), causal "
+        "pairs priced at the default attention_tflops=300 (forward+backward), comm_overlap=0",
         "",
         "Systems: hf-default (each rank packs whole documents in order, attention local to each piece; "
         "documents longer than the budget become independent chunks: **the math differs**), "
         "exact-unbalanced (rebatcher layout, DistCA engine with balancing off: max_planner_moves=0), balanced (WLB-LLM-style "
         "balanced packing with per-document context parallelism, exact), distca (rebatcher layout, "
-        f"planner tolerance {args.tolerance:g}), distca-pingpong (**a projection of a feature hf_distca does not have "
+        f"planner tolerance {args.tolerance:g}, balancing compute only), distca-comm (the same with "
+        "communication-aware planning: each move priced by the compute time it saves against the transfer "
+        "time it adds on the simulated links), distca-pingpong (**a projection of a feature hf_distca does not have "
         "yet**: distca's plans with each micro-batch's communication hidden under its compute as far as "
         "the compute lasts, as ping-pong nano-batches would). Ideal: the exact computation perfectly "
         "balanced with no exposed "
@@ -570,25 +635,56 @@ def write_report(rows: list[Row], info: dict, args, command: str) -> str:
         "",
         "## DistCA against the ideal",
         "",
-        "| workload | tokens / rank | GPUs | inter-node GiB/s | exact-unbalanced s | distca s | ideal s "
-        "| distca speedup | ideal speedup | share of ideal gain | fastest exact system (measurable) "
-        "| distca-pingpong share (projection) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+        "| workload | tokens / rank | GPUs | inter-node GiB/s | exact-unbalanced s | distca s | distca-comm s "
+        "| ideal s | distca speedup | distca-comm speedup | ideal speedup | share of ideal gain: distca "
+        "| distca-comm | fastest exact system (measurable) | distca-pingpong share (projection) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
+
+    def step(r: dict[str, Result], name: str) -> str:
+        return f"{r[name].step_s:.2f}" if name in r else "-"
+
+    def speedup(r: dict[str, Result], name: str) -> str:
+        return f"{r['exact-unbalanced'].step_s / r[name].step_s:.2f}x" if name in r else "-"
+
+    def share(r: dict[str, Result], name: str) -> str:
+        return _share(ideal_gain_share(r, name)) if name in r else "-"
+
     for row in rows:
         r = row.results
-        if "distca" not in r or "exact-unbalanced" not in r:
+        if "exact-unbalanced" not in r:
             continue
-        base, mine = r["exact-unbalanced"].step_s, r["distca"].step_s
-        ideal = r["distca"].ideal_step_s
-        share = ideal_gain_share(r)
+        base, ideal = r["exact-unbalanced"].step_s, r["exact-unbalanced"].ideal_step_s
         exact = {k: v for k, v in r.items() if k not in ("hf-default", "distca-pingpong")}
         fastest = min(exact, key=lambda k: exact[k].step_s)
         lines.append(
             f"| {row.workload} | {row.tokens_per_rank} | {row.world} | {_fmt_bw(row.inter_gibps)} | {base:.2f} "
-            f"| {mine:.2f} | {ideal:.2f} | {base / mine:.2f}x | {base / ideal:.2f}x "
-            f"| {_share(share)} | {fastest} | {_share(ideal_gain_share(r, 'distca-pingpong'))} |"
+            f"| {step(r, 'distca')} | {step(r, 'distca-comm')} | {ideal:.2f} | {speedup(r, 'distca')} "
+            f"| {speedup(r, 'distca-comm')} | {base / ideal:.2f}x | {share(r, 'distca')} | {share(r, 'distca-comm')} "
+            f"| {fastest} | {share(r, 'distca-pingpong')} |"
         )
+    lines += [
+        "",
+        "## Communication: the balance-only planner (distca) against the communication-aware one (distca-comm)",
+        "",
+        "Per step: exposed all-to-all seconds, GiB the busiest sender sends, its bytes over the mean rank's, the "
+        "share of all bytes that cross nodes, and the KV fan-out: the most servers that read one document's KV "
+        "prefix from the same holder (each one more copy it sends per layer).",
+        "",
+        "| workload | tokens / rank | GPUs | inter-node GiB/s | system | step s | exposed comm s | GiB sent (max rank) "
+        "| max / mean rank | across nodes | KV fan-out |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        for name in ("exact-unbalanced", "distca", "distca-comm"):
+            if name not in row.results:
+                continue
+            res = row.results[name]
+            lines.append(
+                f"| {row.workload} | {row.tokens_per_rank} | {row.world} | {_fmt_bw(row.inter_gibps)} | {name} "
+                f"| {res.step_s:.2f} | {res.exposed_comm_s:.2f} | {res.sent_gib_max:.1f} | {res.sent_max_over_mean:.1f} "
+                f"| {res.inter_node_share:.0%} | {res.kv_fanout} |"
+            )
     groups: dict[tuple[str, int], list[Row]] = {}
     for row in rows:
         groups.setdefault((row.workload, row.tokens_per_rank), []).append(row)

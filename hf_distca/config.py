@@ -41,6 +41,45 @@ class DistCAConfig:
     measured time, which prices short shards' lower kernel efficiency, instead of causal (query, key)
     pairs. Every rank must read the same table. None: causal pairs."""
 
+    link_gib_per_s: float | None = None
+    """All-to-all bandwidth of one rank in GiB/s (sending and receiving at once) between nodes, or between
+    every pair of ranks when ``ranks_per_node`` is None: ~21-23 with one 200 Gb/s NIC per GPU, ~250-300
+    over H200 NVLink. Given, the planner prices every move: the compute time it saves on the busiest
+    server against the transfer time it adds to the slowest rank of each all-to-all, and keeps the plan
+    whose step critical path (slowest compute + exposed transfer, one layer forward+backward) is lowest,
+    moving less work, or none, when moving it would cost more than it saves. None: communication is not
+    priced (the balance-only plan)."""
+
+    intra_node_gib_per_s: float | None = None
+    """All-to-all bandwidth of one rank in GiB/s inside its node (with ``ranks_per_node``); None:
+    transfers inside a node are not priced (NVLink is ~10x an inter-node NIC)."""
+
+    ranks_per_node: int | None = None
+    """Ranks [k n, (k + 1) n) of the group share node k (n = ranks_per_node): links between them run at
+    ``intra_node_gib_per_s``, others at ``link_gib_per_s``. None: every pair at ``link_gib_per_s``."""
+
+    comm_overlap: float = 0.0
+    """Fraction in [0, 1] of transfer time that overlap with compute hides, used to price moves: 0 (the
+    engine without ping-pong) exposes all of it; 1 prices communication as free (the balance-only plan)."""
+
+    attention_tflops: float = 300.0
+    """Forward+backward core-attention throughput in TFLOP/s that turns causal (query, key) pairs into
+    seconds when communication is priced without ``cost_table``: 300 is FlashAttention-2 varlen on an
+    H200 (259-332 measured for documents of 2K-64K tokens), i.e. 5.2e9 pairs per second at 32 query
+    heads x 128 (14 x 32 x 128 FLOPs per pair forward+backward)."""
+
+    max_send_bytes_per_rank: int | None = None
+    """Upper bound on the bytes one rank sends in one forward call (query and KV rows it holds, to other
+    servers, plus the outputs of the tasks it serves for others; the plan's ``bytes_sent``): moves that
+    would take a rank above it are skipped. Bounds how far one long document's KV prefix fans out.
+    None: unbounded."""
+
+    measure_link: bool = False
+    """With ``link_gib_per_s`` None: measure it at the first engine call on each process group (a warm-up
+    and a timed all-to-all of 8 MiB per rank to the ranks in other nodes, or all others, then an
+    all-reduce so that every rank plans with the slowest rank's figure) and price communication with it.
+    Plans then depend on a measurement: runs can differ in their plans, never in their results."""
+
     check_consistency: bool = True
     """Once per new micro-batch layout, all-gather a digest of every rank's inputs (pieces, tensor
     shapes and dtype, these config fields) and raise on every rank, naming what differs where, instead
@@ -83,6 +122,28 @@ class DistCAConfig:
             from hf_distca.planning.cost import cost_model_from_config
 
             cost_model_from_config(self)  # a malformed table raises here, naming the file
+        for name in ("link_gib_per_s", "intra_node_gib_per_s"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int | float) and value > 0):
+                raise ValueError(
+                    f"DistCAConfig.{name} must be a positive number of GiB/s or None, got {value!r}"
+                )
+        if self.ranks_per_node is not None and (
+            not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1
+        ):
+            raise ValueError(
+                f"DistCAConfig.ranks_per_node must be a positive int or None, got {self.ranks_per_node!r}"
+            )
+        if not (0.0 <= self.comm_overlap <= 1.0):
+            raise ValueError(f"DistCAConfig.comm_overlap must be in [0, 1], got {self.comm_overlap!r}")
+        if not (0.0 < self.attention_tflops < float("inf")):
+            raise ValueError(
+                f"DistCAConfig.attention_tflops must be a positive finite number, got {self.attention_tflops!r}"
+            )
+        if self.max_send_bytes_per_rank is not None and self.max_send_bytes_per_rank <= 0:
+            raise ValueError(
+                f"DistCAConfig.max_send_bytes_per_rank must be positive or None, got {self.max_send_bytes_per_rank!r}"
+            )
         if self.max_planner_moves < 0:
             raise ValueError(f"DistCAConfig.max_planner_moves must be >= 0, got {self.max_planner_moves!r}")
         if not (self.ping_pong is None or isinstance(self.ping_pong, bool)):

@@ -25,10 +25,12 @@ from hf_distca import DistCAConfig, PieceError, core_attention, metrics, plan_co
 from hf_distca import engine as eng
 from hf_distca.engine import clear_plan_cache
 from hf_distca.kernels import reference_varlen_attention
-from hf_distca.planning import build_dispatch_index
+from hf_distca.planning import attention_flops_per_pair, build_dispatch_index
 
 D = 8
 HEADS = {"gqa": (4, 2), "mha": (3, 3)}
+PRICED = DistCAConfig(shard_tokens=8, tolerance=0.3, link_gib_per_s=0.02, intra_node_gib_per_s=0.2, ranks_per_node=2,
+                      attention_tflops=1e-3, backend="reference")  # fmt: skip
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32}
 SPAWN_TIMEOUT = 150  # seconds; a hang (e.g. one rank raising alone) fails instead of blocking the suite
 
@@ -143,6 +145,12 @@ def _attention_cases(world: int) -> list[dict]:
         {"kind": "attention", "name": "all_pieces", "layout": giant, "heads": "mha", "dtype": "fp32", "seed": 6,
          "all_pieces": dict.fromkeys(range(world), giant.pieces), "config": DistCAConfig(shard_tokens=16)}
     )  # fmt: skip
+    # communication-aware planning (slow links, nodes of 2 ranks): with 4 ranks a plan other than the
+    # balance-only one, still exact
+    cases.append(
+        {"kind": "attention", "name": "priced", "layout": giant, "heads": "gqa", "dtype": "fp64", "seed": 7,
+         "config": PRICED}
+    )  # fmt: skip
     # no move at all (huge tolerance): the rank without tokens has no task either; with 4 ranks documents
     # span ranks, so KV still travels and the idle rank must join both exchanges, forward and backward
     empty = next(c["layout"] for c in cases if c["layout"].name == "empty_rank")
@@ -225,8 +233,9 @@ def _check_attention_case(case: dict, per_rank: list[dict], world: int) -> dict:
     ref = oracle_with_grads(q_all, k_all, v_all, w_all, layout.doc_lens)
     elem = q_all.element_size()
     plan = plan_core_attention(
-        layout.pieces, q_row_bytes=hq * D * elem, kv_row_bytes=2 * hkv * D * elem, config=case["config"]
-    )
+        layout.pieces, q_row_bytes=hq * D * elem, kv_row_bytes=2 * hkv * D * elem, config=case["config"],
+        flops_per_pair=attention_flops_per_pair(hq, D),
+    )  # fmt: skip
     exact = _exact_replay(layout, plan, q_all, k_all, v_all)
     repeat = case.get("repeat", 1)
     flops_per_pair = 4.0 * hq * D
@@ -265,7 +274,7 @@ def _check_attention_case(case: dict, per_rank: list[dict], world: int) -> dict:
     cfg = case["config"]
     mean = sum(plan.load_before) / world
     achievable = cfg.shard_tokens * max(layout.doc_lens) < cfg.tolerance * mean  # see test_planner
-    if achievable:
+    if achievable and cfg.link_gib_per_s is None:  # a priced plan balances only as far as it pays
         assert plan.imbalance_after <= (1 + cfg.tolerance) * (1 + TOL["balance"][0]), label
     return {"name": case.get("name", layout.name), "moves": plan.moves, "moved": plan.load_after != plan.load_before,
             "achievable": achievable, "bytes": sum(plan.bytes_sent)}  # fmt: skip
@@ -320,6 +329,21 @@ def test_engine_distributed_and_remat(world):
     # zero gradients, not None; with 4, documents span the 3 busy ranks: KV travels without any move)
     assert by_name["idle_server"][0]["moves"] == 0 and (by_name["idle_server"][0]["bytes"] > 0) == (world > 2)
     assert by_name["local_only"][0]["moves"] == 0 and by_name["local_only"][0]["bytes"] == 0
+    assert by_name["priced"][0]["moves"] > 0
+    if world == 4:  # the priced plan the engine ran is not the balance-only one
+        giant = next(c["layout"] for c in attention if c.get("name") == "priced")
+        hq, hkv = HEADS["gqa"]
+        rows = {"q_row_bytes": hq * D * 8, "kv_row_bytes": 2 * hkv * D * 8}
+        priced = plan_core_attention(
+            giant.pieces, config=PRICED, flops_per_pair=attention_flops_per_pair(hq, D), **rows
+        )
+        balance_only = plan_core_attention(
+            giant.pieces, config=DistCAConfig(shard_tokens=8, tolerance=0.3), **rows
+        )
+        assert (
+            priced.digest() != balance_only.digest()
+            and priced.critical_path_after < priced.critical_path_before
+        )
 
 
 def test_piece_error_is_a_value_error():

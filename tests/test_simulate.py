@@ -209,6 +209,27 @@ def test_main_writes_a_simulated_report_and_plot(tmp_path, capsys):
     assert "--workload '<data>/doclens_tiny.json'" in text  # the command, without this machine's paths
     assert str(tmp_path) not in text
     assert "benchmarks/results/kernels_h200.md" in text and "fitted to DESIGN.md" in text
-    assert text.count("| 16 | 10 | distca |") == 2
+    assert text.count("| 16 | 10 | distca |") == 4  # per workload: its table and the communication table
+    assert text.count("| 16 | 10 | distca-comm |") == 4
     assert os.path.getsize(tmp_path / "sim.png") > 1000
     assert sim.portable("/a/b/c.json") == "<data>/c.json" and sim.portable("x=rel/c.json") == "x=rel/c.json"
+
+
+def test_comm_aware_planner_in_the_simulator():
+    """A 48K-token document and short ones on 8 GPUs, 4 per node, 5 GiB/s between nodes: the
+    balance-only planner sends the document's KV prefix to every other server and is 2x slower than no
+    balancing; the communication-aware planner (the simulated links in its config) keeps it in its node
+    and is faster than both."""
+    steps = [[[49152] + [512] * 160]]
+    s = setting(world=8, tokens_per_rank=16384, gpus_per_node=4, inter_gibps=5.0)
+    config = sim.planner_config(sim.SYSTEM_SPECS["distca-comm"], s)
+    assert (config.link_gib_per_s, config.ranks_per_node) == (5.0, 4)
+    assert config.intra_node_gib_per_s == pytest.approx(260.0, rel=1e-9)  # the 256 MiB point
+    assert sim.planner_config(sim.SYSTEM_SPECS["distca"], s).link_gib_per_s is None
+    r = sim.simulate(["exact-unbalanced", "distca", "distca-comm"], steps, s)
+    base, balance_only, priced = r["exact-unbalanced"], r["distca"], r["distca-comm"]
+    assert balance_only.step_s > 2 * base.step_s and balance_only.kv_fanout == 7  # the problem
+    assert priced.step_s < base.step_s < balance_only.step_s
+    assert priced.kv_fanout <= 3 and priced.sent_gib_max < balance_only.sent_gib_max / 2
+    assert priced.inter_node_share < balance_only.inter_node_share
+    assert priced.ideal_step_s == base.ideal_step_s

@@ -51,6 +51,9 @@ TOL = {
     # ---- planner
     # balance: loads are exact integer sums in float64; 1e-9 only absorbs the division
     "balance": (1e-9, 0.0),
+    # the priced critical path (seconds) recomputed independently: the same float64 byte counts, divided
+    # by the bandwidth instead of multiplied by its inverse, summed in another order
+    "critical_path": (1e-12, 0.0),
     # planning time of one step (1,000 long-tailed documents over 64 servers), median of 5, seconds
     "plan_seconds": (0.050, None),
 }

@@ -37,9 +37,11 @@ from hf_distca.engine.consistency import (
     digest64,
     raise_on_disagreement,
 )
+from hf_distca.engine.link_probe import with_measured_link
 from hf_distca.planning import (
     CorePlan,
     DispatchIndex,
+    attention_flops_per_pair,
     build_dispatch_index,
     cost_model_from_config,
     plan_core_attention,
@@ -181,6 +183,8 @@ def prepare(
         else:
             _seen.move_to_end(key)
         everyone, digest = seen.all_pieces, seen.digest
+    if world > 1:  # every rank reaches this point together: the link probe's collectives run here
+        config = with_measured_link(config, group, q.device)
     prepared = _planned(everyone, digest, rank, q, k, config)
     if prepared.num_local != q.shape[0]:
         raise ValueError(
@@ -229,6 +233,7 @@ def _planned(
         kv_row_bytes=2 * kv_heads * head_dim * elem,
         config=config,
         cost_model=cost_model,
+        flops_per_pair=attention_flops_per_pair(q_heads, head_dim),
     )
     index = build_dispatch_index(plan, rank)
     metrics.record_plan(time.perf_counter() - t0)

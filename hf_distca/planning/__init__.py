@@ -2,6 +2,12 @@
 
 from hf_distca.planning.cost import CausalPairsCost, MeasuredCost, causal_pairs, cost_model_from_config
 from hf_distca.planning.dispatch import DispatchIndex, build_dispatch_index
+from hf_distca.planning.links import (
+    LinkModel,
+    attention_flops_per_pair,
+    link_model_from_config,
+    plan_critical_path,
+)
 from hf_distca.planning.pieces import DocIndex, Piece, PieceError
 from hf_distca.planning.planner import CATask, CorePlan, plan_core_attention
 
@@ -11,11 +17,15 @@ __all__ = [
     "CorePlan",
     "DispatchIndex",
     "DocIndex",
+    "LinkModel",
     "MeasuredCost",
     "Piece",
     "PieceError",
+    "attention_flops_per_pair",
     "build_dispatch_index",
     "causal_pairs",
     "cost_model_from_config",
+    "link_model_from_config",
     "plan_core_attention",
+    "plan_critical_path",
 ]

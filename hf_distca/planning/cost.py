@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 
 COST_TABLE_FORMAT = "hf_distca.cost_table/1"
+TIMED = ("forward+backward", "forward")
+"""What a table's cells time (its ``measured.timed`` field, written by ``python -m hf_distca.calibrate``)."""
 
 
 def causal_pairs(a: int, b: int) -> int:
@@ -51,7 +53,16 @@ class MeasuredCost:
     Outside the grid the nearest rate is used.
     """
 
-    def __init__(self, q_lens: Sequence[int], kv_lens: Sequence[int], seconds: Sequence[Sequence[float]]):
+    def __init__(
+        self,
+        q_lens: Sequence[int],
+        kv_lens: Sequence[int],
+        seconds: Sequence[Sequence[float]],
+        timed: str = "forward+backward",
+    ):
+        if timed not in TIMED:
+            raise ValueError(f"MeasuredCost: timed must be one of {TIMED}, got {timed!r}")
+        self.timed = timed  # what each cell's seconds cover (the link model prices forward+backward)
         self.q_lens = np.asarray(q_lens, dtype=np.float64)
         self.kv_lens = np.asarray(kv_lens, dtype=np.float64)
         table = np.asarray(seconds, dtype=np.float64)
@@ -103,8 +114,9 @@ class MeasuredCost:
         if missing:
             raise ValueError(f"cost table {os.fspath(path)!r} lacks {missing}")
         seconds = [[math.nan if x is None else float(x) for x in row] for row in data["seconds"]]
+        measured = data.get("measured") or {}
         try:
-            return cls(data["q_lens"], data["kv_lens"], seconds)
+            return cls(data["q_lens"], data["kv_lens"], seconds, measured.get("timed", TIMED[0]))
         except ValueError as err:
             raise ValueError(f"cost table {os.fspath(path)!r}: {err}") from err
 
@@ -113,6 +125,8 @@ class MeasuredCost:
         h = hashlib.sha256()
         for array in (self.q_lens, self.kv_lens, np.nan_to_num(self.seconds, nan=-1.0)):
             h.update(np.ascontiguousarray(array, dtype=np.float64).tobytes())
+        if self.timed != TIMED[0]:
+            h.update(self.timed.encode())
         return h.hexdigest()
 
     def task_cost(self, a: int, b: int) -> float:

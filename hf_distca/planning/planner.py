@@ -6,17 +6,48 @@ move work from it to the least loaded server, choosing the move with the most co
 must be communicated; a task too large to move whole is split into a head or tail shard whose split
 point sits on a multiple of ``shard_tokens``. Cost is whatever the cost model returns (causal
 (query, key) pairs by default; see :mod:`hf_distca.planning.cost`).
+
+With a link bandwidth (``DistCAConfig.link_gib_per_s``) the planner also prices communication
+(:mod:`hf_distca.planning.links`): the step's critical path is the slowest server's compute plus the
+exposed time of the engine's all-to-alls, each as long as its slowest rank. The balance-only plan is
+kept when its transfer time is within ``tolerance`` of its critical path and it is no slower than no
+balancing (so free links, infinite bandwidth or ``comm_overlap`` 1, give exactly the balance-only plan).
+Otherwise priced greedies run, tracking the exact bytes of every rank on each link class: a candidate
+move is allowed only when the compute it takes off max(source, destination) exceeds the exposed transfer
+time it adds (its cost per byte is netted of that time); each step compares the best move to the least
+loaded destination with the best one inside the source's node and takes the larger net gain; when every
+move that fits a destination's deficit is priced out, a larger shard (up to evening out the two) is
+tried, one KV prefix buying more work. One greedy balances to the mean, others fill destinations up to
+levels above it (fewer servers per long document, each taking more of it); each keeps its moves up to
+its lowest critical path, and the plan is the lowest of them, of the balance-only plan and of no
+balancing: never slower, in the model, than either.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import hashlib
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from hf_distca.config import DistCAConfig
 from hf_distca.planning.cost import CausalPairsCost, causal_pairs
+from hf_distca.planning.links import (
+    INTER,
+    INTRA,
+    KV_IN,
+    KV_OUT,
+    Q_IN,
+    Q_OUT,
+    LinkModel,
+    link_model_from_config,
+    plan_critical_path,
+)
 from hf_distca.planning.pieces import DocIndex
 
 
@@ -54,6 +85,15 @@ class CorePlan:
     q_row_bytes: int
     kv_row_bytes: int
     moves: int = 0
+    balance_level: float | None = None
+    """Priced plans: the load (cost units) moves filled destinations up to when that gave a lower critical
+    path than balancing to the mean; None: the mean."""
+    critical_path_before: float | None = None
+    """Seconds of one layer's core attention (forward+backward) on the step's critical path with every
+    rank computing its own pieces, under the link model (:mod:`hf_distca.planning.links`); None when
+    communication is not priced (``DistCAConfig.link_gib_per_s`` None)."""
+    critical_path_after: float | None = None
+    """The same under this plan; never above ``critical_path_before``."""
     bytes_sent: list[int] = field(default_factory=list)
     """Per rank: bytes it sends in one forward call (Q and KV out, outputs back)."""
     bytes_received: list[int] = field(default_factory=list)
@@ -92,10 +132,35 @@ class _Server:
 
     def __init__(self, rank: int):
         self.rank = rank
-        self.intervals: dict[int, list[list[int]]] = {}  # doc -> sorted [a, b) query intervals
+        self.intervals: dict[
+            int, list[list[int]]
+        ] = {}  # doc -> sorted, disjoint, merged [a, b) query intervals
         self.load = 0.0
-        self.kv_need: dict[int, int] = {}  # doc -> KV prefix length needed
+        self.kv_need: dict[
+            int, int
+        ] = {}  # doc -> longest KV prefix this server was ever given (move scoring)
         self.recv_bytes = 0
+
+    def clone(self) -> _Server:
+        other = _Server(self.rank)
+        other.intervals = {doc: [iv[:] for iv in ivs] for doc, ivs in self.intervals.items()}
+        other.load, other.kv_need, other.recv_bytes = self.load, dict(self.kv_need), self.recv_bytes
+        return other
+
+    def need(self, doc: int) -> int:
+        """The KV prefix of ``doc`` the server's current tasks read: the end of its last interval."""
+        ivs = self.intervals.get(doc)
+        return ivs[-1][1] if ivs else 0
+
+    def need_without(self, doc: int, a: int, b: int) -> int:
+        """:meth:`need` once [a, b) (inside one interval) is removed."""
+        ivs = self.intervals[doc]
+        last = ivs[-1]
+        if b < last[1] or a < last[0]:  # not the tail of the last interval
+            return last[1]
+        if a > last[0]:
+            return a
+        return ivs[-2][1] if len(ivs) > 1 else 0
 
     def add(self, doc: int, a: int, b: int) -> None:
         ivs = self.intervals.setdefault(doc, [])
@@ -122,6 +187,100 @@ class _Server:
         raise AssertionError(f"planner bug: [{a}, {b}) of doc {doc} not on server {self.rank}")
 
 
+Changes = dict[int, list[list[float]]]
+"""rank -> byte deltas per link class [INTRA, INTER] x [Q_OUT, KV_OUT, Q_IN, KV_IN]."""
+
+
+class _Traffic:
+    """Exact bytes of the current assignment per rank and link class, each rank's phase seconds, and the
+    all-to-all time they add up to (:mod:`hf_distca.planning.links`); prices a candidate move without
+    applying it."""
+
+    TOP = 8  # ranks kept per phase, slowest first: a move touches a few ranks, the max of the rest is here
+
+    def __init__(self, link: LinkModel, world: int):
+        self.link = link
+        self.world = world
+        self.inverse = tuple(float(x) for x in link.inverse_bandwidth)
+        self.bytes = [[[0.0] * 4 for _ in range(2)] for _ in range(world)]
+        self.phase = np.zeros((world, 3))
+        self.top: list[list[tuple[float, int]]] = [[] for _ in range(3)]
+        self.now = 0.0  # comm_seconds() of the current bytes
+
+    def clone(self) -> _Traffic:
+        other = object.__new__(_Traffic)
+        other.link, other.world, other.inverse = self.link, self.world, self.inverse
+        other.bytes = list(self.bytes)  # apply() replaces a rank's rows, never edits them
+        other.phase = self.phase.copy()
+        other.top = [list(t) for t in self.top]
+        other.now = self.now
+        return other
+
+    def rank_phases(self, b: list[list[float]]) -> tuple[float, float, float]:
+        """Seconds of a rank's three distinct phases from its bytes (as ``LinkModel.phase_seconds``)."""
+        p1 = p2 = p3 = 0.0
+        for c in (INTRA, INTER):
+            w = self.inverse[c]
+            if w == 0.0:
+                continue
+            q_out, kv_out, q_in, kv_in = b[c]
+            p1 = max(p1, max(q_out + kv_out, q_in + kv_in) * w)
+            p2 = max(p2, max(q_in, q_out) * w)
+            p3 = max(p3, max(3 * q_out + kv_out, 3 * q_in + kv_in) * w)
+        return p1, p2, p3
+
+    def after(self, changes: Changes) -> dict[int, list[list[float]]]:
+        """The new bytes of every rank ``changes`` touches."""
+        out = {}
+        for r, delta in changes.items():
+            old = self.bytes[r]
+            out[r] = [[old[c][j] + delta[c][j] for j in range(4)] for c in (INTRA, INTER)]
+        return out
+
+    def sent(self, b: list[list[float]]) -> float:
+        """Bytes a rank sends in one forward call: Q and KV out as a holder, outputs back as a server."""
+        return (
+            b[INTRA][Q_OUT]
+            + b[INTRA][KV_OUT]
+            + b[INTRA][Q_IN]
+            + b[INTER][Q_OUT]
+            + b[INTER][KV_OUT]
+            + b[INTER][Q_IN]
+        )
+
+    def comm_seconds(self, new_phases: dict[int, tuple[float, float, float]] | None = None) -> float:
+        """One layer's all-to-all seconds now, or with the ranks of ``new_phases`` at those phase times."""
+        new_phases = new_phases or {}
+        total = 0.0
+        for p, weight in ((0, 2.0), (1, 1.0), (2, 1.0)):
+            slowest = max((v[p] for v in new_phases.values()), default=0.0)
+            rest = None
+            for value, r in self.top[p]:
+                if r not in new_phases:
+                    rest = value
+                    break
+            if rest is None and len(self.top[p]) < self.world:  # every kept rank is touched: look at all
+                mask = np.ones(self.world, dtype=bool)
+                mask[list(new_phases)] = False
+                rest = float(self.phase[mask, p].max()) if mask.any() else 0.0
+            total += weight * max(slowest, rest or 0.0)
+        return total
+
+    def apply(self, changes: Changes) -> None:
+        for r, b in self.after(changes).items():
+            self.bytes[r] = b
+            self.phase[r] = self.rank_phases(b)
+        self._refresh_top()
+        self.now = self.comm_seconds()
+
+    def _refresh_top(self) -> None:
+        k = min(self.TOP, self.world)
+        for p in range(3):
+            column = self.phase[:, p]
+            ranks = np.argpartition(-column, k - 1)[:k] if k < self.world else np.arange(self.world)
+            self.top[p] = sorted(((float(column[r]), int(r)) for r in ranks), reverse=True)
+
+
 @dataclass
 class _Move:
     doc: int
@@ -130,6 +289,351 @@ class _Move:
     cost: float
     bytes_in: int
     score: float
+    changes: Changes | None = None
+    net: float = 0.0
+    """Priced moves: how much max(src, dst) drops minus the exposed transfer time added (cost units)."""
+    src: int = -1
+    dst: int = -1
+
+
+class _Balancer:
+    """The greedy over one micro-batch's servers (see the module docstring)."""
+
+    def __init__(
+        self, index: DocIndex, cost, config: DistCAConfig, link: LinkModel | None, q_row: int, kv_row: int
+    ):
+        self.index, self.cost, self.config, self.link = index, cost, config, link
+        self.q_row, self.kv_row = q_row, kv_row
+        world = index.world_size
+        # per document, (start, end, holder) of its runs in position order
+        self.runs = {
+            doc: [(h.doc_start, h.doc_end, h.rank) for h in hs] for doc, hs in index.holdings.items()
+        }
+        self.servers = [_Server(r) for r in range(world)]
+        self.serving: dict[int, set[int]] = {}  # doc -> servers with tasks of it
+        self._owned: set[int] | None = None  # clones: the servers copied from the origin (None: all own)
+        self._owned_docs: set[int] = set()
+        for doc in index.doc_ids:
+            for h in index.holdings[doc]:
+                self.servers[h.rank].add(doc, h.doc_start, h.doc_end)
+                self.serving.setdefault(doc, set()).add(h.rank)
+        for s in self.servers:
+            s.load = sum(cost.task_cost(a, b) for ivs in s.intervals.values() for a, b in ivs)
+        self.loads = np.array([s.load for s in self.servers], dtype=np.float64)  # mirrors each s.load
+        # exact traffic: with a link model (prices moves), or for the send bound alone (free links)
+        self.traffic = None
+        if link is not None or config.max_send_bytes_per_rank is not None:
+            self.traffic = _Traffic(link or _FREE_LINKS, world)
+            initial: Changes = {}
+            for s in self.servers:
+                for doc in s.intervals:
+                    for h, n in self.segments(doc, 0, s.need(doc)):
+                        if h != s.rank:
+                            self._add(initial, h, s.rank, KV_OUT, KV_IN, n * kv_row)
+            self.traffic.apply(initial)
+        self.moves: list[_Move] = []
+        # priced: the all-to-all seconds and the critical path after 0, 1, ... moves
+        self.comm: list[float] = [self.traffic.now] if link is not None else []
+        self.path: list[float] = [self.critical_path()] if link is not None else []
+
+    def clone(self) -> _Balancer:
+        """An independent copy of this state (planning again from the same start)."""
+        other = object.__new__(_Balancer)
+        other.__dict__.update(self.__dict__)  # the inputs and the document runs are shared
+        # servers and servers-of-document sets are shared until a move changes them (copy on write)
+        other.servers, other.serving = list(self.servers), dict(self.serving)
+        other.loads = self.loads.copy()
+        other._owned, other._owned_docs = set(), set()
+        other.traffic = self.traffic.clone() if self.traffic is not None else None
+        other.moves, other.comm, other.path = list(self.moves), list(self.comm), list(self.path)
+        return other
+
+    # ------------------------------------------------------------------------------------ bookkeeping
+    def segments(self, doc: int, start: int, end: int) -> list[tuple[int, int]]:
+        """(holder, rows) of doc positions [start, end), in position order."""
+        out = []
+        for a, b, rank in self.runs[doc]:
+            if b <= start:
+                continue
+            if a >= end:
+                break
+            out.append((rank, min(end, b) - max(start, a)))
+        return out
+
+    def node(self, rank: int) -> int:
+        per = self.link.ranks_per_node if self.link is not None else None
+        return rank // per if per else 0
+
+    def link_class(self, a: int, b: int) -> int:
+        return self.link.link_class(a, b) if self.link is not None else INTER
+
+    def _add(
+        self, changes: Changes, holder: int, server: int, col_out: int, col_in: int, nbytes: float
+    ) -> None:
+        c = self.link_class(holder, server)
+        for r, col in ((holder, col_out), (server, col_in)):
+            row = changes.get(r)
+            if row is None:
+                row = changes[r] = [[0.0] * 4, [0.0] * 4]
+            row[c][col] += nbytes
+
+    def changes_of(self, src: _Server, dst: _Server, doc: int, x: int, y: int) -> Changes:
+        """Byte deltas of moving queries [x, y) of ``doc`` from ``src`` to ``dst``."""
+        changes: Changes = {}
+        segments = self.segments
+        for h, n in segments(doc, x, y):
+            if h != src.rank:
+                self._add(changes, h, src.rank, Q_OUT, Q_IN, -n * self.q_row)
+            if h != dst.rank:
+                self._add(changes, h, dst.rank, Q_OUT, Q_IN, n * self.q_row)
+        have = dst.need(doc)
+        if y > have:
+            for h, n in segments(doc, have, y):
+                if h != dst.rank:
+                    self._add(changes, h, dst.rank, KV_OUT, KV_IN, n * self.kv_row)
+        before, after = src.need(doc), src.need_without(doc, x, y)
+        if after < before:
+            for h, n in segments(doc, after, before):
+                if h != src.rank:
+                    self._add(changes, h, src.rank, KV_OUT, KV_IN, -n * self.kv_row)
+        return changes
+
+    def critical_path(self) -> float:
+        return self.link.critical_path(float(self.loads.max()) if self.loads.size else 0.0, self.comm[-1])
+
+    def _own(self, rank: int, doc: int) -> _Server:
+        """Server ``rank``, copied first when it is still shared with the state this one was cloned from
+        (and the same for the servers-of-``doc`` set)."""
+        if self._owned is not None:
+            if rank not in self._owned:
+                self.servers[rank] = self.servers[rank].clone()
+                self._owned.add(rank)
+            if doc not in self._owned_docs:
+                self.serving[doc] = set(self.serving[doc])
+                self._owned_docs.add(doc)
+        return self.servers[rank]
+
+    def apply(self, move: _Move) -> None:
+        src, dst = self._own(move.src, move.doc), self._own(move.dst, move.doc)
+        if self.traffic is not None:
+            changes = move.changes
+            if changes is None:
+                changes = self.changes_of(src, dst, move.doc, move.a, move.b)
+            self.traffic.apply(changes)
+        src.remove(move.doc, move.a, move.b)
+        src.load -= move.cost
+        if move.doc not in src.intervals:
+            self.serving[move.doc].discard(src.rank)
+        dst.add(move.doc, move.a, move.b)
+        dst.load += move.cost
+        self.loads[src.rank], self.loads[dst.rank] = src.load, dst.load
+        dst.recv_bytes += move.bytes_in
+        self.serving[move.doc].add(dst.rank)
+        self.moves.append(move)
+        if self.link is not None:
+            self.comm.append(self.traffic.now)
+            self.path.append(self.critical_path())
+
+    # ------------------------------------------------------------------------------------------ greedy
+    def balance(self, level: float | None = None, give_up_above: float | None = None) -> None:
+        """Move work until the most loaded server is within the tolerance of the mean (or at most
+        ``level``, the load each move fills a destination up to instead of the mean). Priced: stops early
+        once the exposed transfer already added keeps the critical path above the lowest seen so far (or
+        ``give_up_above``)."""
+        servers, config = self.servers, self.config
+        total = sum(s.load for s in servers)
+        if len(servers) <= 1 or total <= 0:
+            return
+        target = total / len(servers)
+        limit = (1.0 + config.tolerance) * target
+        if level is not None:
+            target, limit = level, max(limit, level)
+        while len(self.moves) < config.max_planner_moves:
+            src = servers[int(np.argmax(self.loads))]  # the most loaded, the lowest rank among equals
+            if src.load <= limit:
+                break
+            if self.link is not None:
+                # moves add transfer time: stop once even a server at the limit could not bring the
+                # critical path back below the best seen (here or, given, in another plan)
+                best = min(self.path) if give_up_above is None else min(give_up_above, min(self.path))
+                if self.link.critical_path(limit, self.comm[-1]) > best:
+                    break
+            move = self._priced_move(src, target) if self.link is not None else self._first_move(src, target)
+            if move is None:
+                break
+            self.apply(move)
+
+    def _first_move(self, src: _Server, target: float, ranks=None) -> _Move | None:
+        """The balance-only choice: the best move to the least loaded destination (of ``ranks``, default
+        all) that has one."""
+        special = self._involved(src) if self.traffic is not None else None
+        priced_out: set[int] = set()  # nodes of destinations the send bound turned down
+        if ranks is None:
+            ranks = np.argsort(self.loads, kind="stable")  # least loaded first, ties by rank
+        for rank in ranks:
+            dst = self.servers[rank]
+            if dst.load >= target:
+                break  # no room below the target here or further on
+            if dst is src:
+                continue
+            # a destination that holds and serves nothing of src's documents is skipped once another one
+            # in its node was turned down by the send bound (its moves send the same bytes)
+            generic = special is not None and dst.rank not in special
+            if generic and self.node(dst.rank) in priced_out:
+                continue
+            move, rejected = self._best_move(src, dst, target)
+            if move is not None:
+                move.src, move.dst = src.rank, dst.rank
+                return move
+            if rejected and generic:
+                priced_out.add(self.node(dst.rank))
+        return None
+
+    def _priced_move(self, src: _Server, target: float) -> _Move | None:
+        """The larger net gain (relief of max(src, dst) minus the exposed transfer time added) of two
+        moves: to the least loaded destination that has one, and to the least loaded one in src's node
+        that has one (where its KV travels over the fast links)."""
+        anywhere = self._first_move(src, target)
+        per = self.link.ranks_per_node
+        if per is None or (anywhere is not None and self.node(anywhere.dst) == self.node(src.rank)):
+            return anywhere
+        first = self.node(src.rank) * per
+        members = range(first, min(first + per, len(self.servers)))
+        local = self._first_move(src, target, sorted(members, key=lambda r: (self.loads[r], r)))
+        if anywhere is None or (local is not None and local.net > anywhere.net):
+            return local
+        return anywhere
+
+    def best_prefix(self) -> int:
+        """How many of the moves made lead to the lowest critical path (the most such moves)."""
+        lowest = min(self.path)
+        return max(k for k, value in enumerate(self.path) if value == lowest)
+
+    def _involved(self, src: _Server) -> set[int]:
+        """Ranks that hold or serve part of a document src serves."""
+        out: set[int] = set()
+        for doc in src.intervals:
+            out.update(h.rank for h in self.index.holdings[doc])
+            out.update(self.serving[doc])
+        return out
+
+    def _best_move(self, src: _Server, dst: _Server, target: float) -> tuple[_Move | None, bool]:
+        """The move from src to dst with the most cost per communicated byte among those that do a real
+        share of the work dst can take (see module docstring), and whether a candidate was turned down for
+        its price or the send bound. Candidates are priced lazily, largest first: one that cannot be
+        chosen is never priced."""
+        want = min(src.load - target, target - dst.load)
+        if want <= 0:
+            return None, False
+        g, cost = self.config.shard_tokens, self.cost
+        fitting, overshooting = (
+            [],
+            [],
+        )  # (cost, doc, x, y): at most `want`, or larger but lowering max(src, dst)
+        for doc, ivs in src.intervals.items():
+            for a, b in ivs:
+                for x, y in _candidate_ranges(a, b, want, g, cost):
+                    c = cost.task_cost(x, y)
+                    if c > 0 and dst.load + c < src.load:
+                        (fitting if c <= want else overshooting).append((c, doc, x, y))
+        rejected = False
+        # (doc, end) of shards turned down for their price: a shorter shard with the same end reads the
+        # same KV prefix for less work, and is not priced
+        priced_out: set[tuple[int, int]] = set()
+        substantial: list[_Move] = []
+        for c, doc, x, y in sorted(fitting, key=lambda m: -m[0]):
+            if substantial and c < 0.5 * substantial[0].cost:
+                break  # cheaper than half the largest allowed move
+            if (doc, y) in priced_out:
+                continue
+            move, turned_down = self._candidate(src, dst, doc, x, y, c)
+            rejected |= turned_down
+            if turned_down:
+                priced_out.add((doc, y))
+            if move is not None:
+                substantial.append(move)
+        if substantial:
+            # among moves that do a real share of the wanted work, the most cost per byte
+            return max(substantial, key=lambda m: (m.score, m.cost, -m.doc, -m.a)), rejected
+        cheapest: list[_Move] = []
+        for c, doc, x, y in sorted(overshooting, key=lambda m: m[0]):
+            if cheapest and c > cheapest[0].cost:
+                break
+            if (doc, y) in priced_out:
+                continue
+            move, turned_down = self._candidate(src, dst, doc, x, y, c)
+            rejected |= turned_down
+            if move is not None:
+                cheapest.append(move)
+        if cheapest:
+            return min(cheapest, key=lambda m: (m.cost, -m.score, m.doc, m.a)), rejected
+        if rejected and self.link is not None:
+            # every move that fits dst's deficit costs more transfer time than it saves: a larger shard
+            # (up to evening out src and dst) pays the same KV prefix for more work; take the best net gain
+            half = (src.load - dst.load) / 2
+            larger = []
+            for doc, ivs in src.intervals.items():
+                for a, b in ivs:
+                    for x, y in _candidate_ranges(a, b, half, g, cost):
+                        move, _ = self._candidate(src, dst, doc, x, y, cost.task_cost(x, y))
+                        if move is not None:
+                            larger.append(move)
+            if larger:
+                return max(larger, key=lambda m: (m.net, m.score, -m.doc, -m.a)), rejected
+        return None, rejected
+
+    def _candidate(
+        self, src: _Server, dst: _Server, doc: int, x: int, y: int, c: float
+    ) -> tuple[_Move | None, bool]:
+        """Moving queries [x, y) of ``doc`` (cost ``c``) from src to dst, priced and scored; None when it is
+        not allowed (or does not lower max(src, dst)), with whether its price or the send bound turned it
+        down."""
+        if c <= 0 or dst.load + c >= src.load:
+            return None, False
+        q_row, kv_row = self.q_row, self.kv_row
+        have = dst.kv_need.get(doc, 0)
+        q_in = sum(n for h, n in self.segments(doc, x, y) if h != dst.rank)  # rows dst lacks
+        kv_in = sum(n for h, n in self.segments(doc, have, y) if h != dst.rank) if y > have else 0
+        bytes_in = q_in * q_row + kv_in * kv_row
+        bound = self.config.max_recv_bytes_per_server
+        if bound is not None and dst.recv_bytes + bytes_in > bound:
+            return None, False
+        comm = bytes_in + q_in * q_row  # outputs travel back
+        if self.traffic is None:
+            return _Move(doc, x, y, c, bytes_in, c / (comm + 1.0)), False
+        changes = self.changes_of(src, dst, doc, x, y)
+        exposed = self._exposed_increase(changes)
+        relief = src.load - max(src.load - c, dst.load + c)  # how much max(src, dst) drops
+        if exposed is None or exposed >= relief:
+            return None, True
+        # the balance-only planner's cost per byte, net of the exposed transfer time the move adds
+        score = (c - exposed) / (comm + 1.0)
+        return _Move(doc, x, y, c, bytes_in, score, changes, net=relief - exposed), False
+
+    def _exposed_increase(self, changes: Changes) -> float | None:
+        """Exposed transfer time ``changes`` add to the step, in cost units; None when a rank would go over
+        the send bound."""
+        traffic = self.traffic
+        after = traffic.after(changes)
+        bound = self.config.max_send_bytes_per_rank
+        if bound is not None:
+            for r, b in after.items():
+                sent = traffic.sent(b)
+                if sent > bound and sent > traffic.sent(traffic.bytes[r]):
+                    return None
+        if self.link is None:
+            return 0.0
+        new_phases = {r: traffic.rank_phases(b) for r, b in after.items()}
+        added = traffic.comm_seconds(new_phases) - traffic.now
+        return (1.0 - self.link.overlap) * added / self.link.seconds_per_cost_unit
+
+
+LEVEL_STEP = 1.2
+"""Ratio between successive balance levels (on Pretrain/ProLong batches at 512 servers, 1.12 found
+critical paths within 2% of 1.2's in 1.3x the time)."""
+
+_FREE_LINKS = LinkModel(math.inf, math.inf, None, 0.0, 1.0)
+"""Every link free: the traffic bookkeeping of the send bound when communication is not priced."""
 
 
 def plan_core_attention(
@@ -139,6 +643,7 @@ def plan_core_attention(
     kv_row_bytes: int,
     config: DistCAConfig | None = None,
     cost_model=None,
+    flops_per_pair: float | None = None,
 ) -> CorePlan:
     """Plan one micro-batch's core attention over ``len(pieces_per_rank)`` in-place servers.
 
@@ -147,107 +652,126 @@ def plan_core_attention(
     kv_row_bytes: bytes of one token's keys plus values.
     cost_model: object with ``task_cost(a, b)``; default :class:`CausalPairsCost` (causal (query, key)
     pairs). :func:`hf_distca.planning.cost.cost_model_from_config` gives the one a config asks for.
+    flops_per_pair: forward+backward FLOPs of one (query, key) pair
+    (:func:`~hf_distca.planning.links.attention_flops_per_pair`); needed to price causal pairs in
+    seconds when ``config.link_gib_per_s`` is set.
     """
-    config = config or DistCAConfig()
+    with _collector_paused():
+        return _plan(
+            pieces_per_rank, q_row_bytes, kv_row_bytes, config or DistCAConfig(), cost_model, flops_per_pair
+        )
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """Python's cyclic garbage collector off while planning: a plan allocates ~1e5 small long-lived
+    objects (intervals, tasks), which trigger full collections that scan the whole heap of the training
+    process (a third of the planning time measured at 512 servers). Reference counting still frees
+    everything a plan drops: it builds no reference cycles."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _plan(
+    pieces_per_rank, q_row_bytes: int, kv_row_bytes: int, config: DistCAConfig, cost_model, flops_per_pair
+) -> CorePlan:
     cost = cost_model or CausalPairsCost()
+    link = link_model_from_config(config, cost, flops_per_pair)
     index = DocIndex(pieces_per_rank)
-    world = index.world_size
-    servers = [_Server(r) for r in range(world)]
-    for doc in index.doc_ids:
-        for h in index.holdings[doc]:
-            servers[h.rank].add(doc, h.doc_start, h.doc_end)
-    for s in servers:
-        s.load = sum(cost.task_cost(a, b) for ivs in s.intervals.values() for a, b in ivs)
-    load_before = [s.load for s in servers]
-    pairs_before = [sum(causal_pairs(a, b) for ivs in s.intervals.values() for a, b in ivs) for s in servers]
+    balance_only = _Balancer(index, cost, config, None, q_row_bytes, kv_row_bytes)
+    before = (
+        list(balance_only.loads),
+        [
+            sum(causal_pairs(a, b) for ivs in s.intervals.values() for a, b in ivs)
+            for s in balance_only.servers
+        ],
+    )
+    if link is None:
+        balance_only.balance()
+        return _finish(balance_only, before, None, None)
 
-    moves = 0
-    total = sum(load_before)
-    if world > 1 and total > 0:
-        mean = total / world
-        limit = (1.0 + config.tolerance) * mean
-        while moves < config.max_planner_moves:
-            src = max(servers, key=lambda s: (s.load, -s.rank))
-            if src.load <= limit:
-                break
-            move = None
-            for dst in sorted(servers, key=lambda s: (s.load, s.rank)):
-                if dst is src or dst.load >= src.load:
-                    break
-                move = _best_move(src, dst, mean, index, cost, config, q_row_bytes, kv_row_bytes)
-                if move is not None:
-                    break
-            if move is None:
-                break
-            src.remove(move.doc, move.a, move.b)
-            src.load -= move.cost
-            dst.add(move.doc, move.a, move.b)
-            dst.load += move.cost
-            dst.recv_bytes += move.bytes_in
-            moves += 1
+    origin = _Balancer(index, cost, config, link, q_row_bytes, kv_row_bytes)
+    unbalanced = origin.path[0]  # the critical path with every rank computing its own pieces
+    balance_only.balance()
+    plan = _finish(balance_only, before, link, None, unbalanced)
+    exposed = plan.critical_path_after - link.critical_path(max(plan.load_after, default=0.0), 0.0)
+    if exposed <= config.tolerance * plan.critical_path_after and plan.critical_path_after <= unbalanced:
+        return plan  # communication costs less than the imbalance the tolerance accepts
+    # priced greedies, balancing to the mean and then filling destinations up to higher levels (fewer
+    # servers per long document, each taking more of it); the lowest critical path wins
+    best = min(plan.critical_path_after, unbalanced)
+    chosen = None
+    for level in [None, *_levels(before[0], config.tolerance)]:
+        trial = origin.clone()
+        trial.balance(level, give_up_above=best)
+        keep = trial.best_prefix()
+        if trial.path[keep] < best:
+            best, chosen = trial.path[keep], (trial, keep, level)
+    if chosen is not None:
+        trial, keep, level = chosen
+        if keep < len(trial.moves):
+            moves, trial = trial.moves[:keep], origin.clone()
+            for move in moves:
+                trial.apply(move)
+        priced = _finish(trial, before, link, level, unbalanced)
+        if priced.critical_path_after < min(plan.critical_path_after, unbalanced):
+            return priced
+    if plan.critical_path_after <= unbalanced:
+        return plan
+    return _finish(origin, before, link, None, unbalanced)
 
+
+def _finish(
+    balancer: _Balancer,
+    before: tuple[list[float], list[int]],
+    link: LinkModel | None,
+    level: float | None,
+    critical_path_before: float | None = None,
+) -> CorePlan:
+    """The plan of a balancer's current assignment, priced under ``link`` when given
+    (``critical_path_before``: that of no moves; default: this plan's own)."""
     tasks, kv_prefix = [], []
-    for s in servers:
+    for s in balancer.servers:
         ts = [CATask(doc, a, b) for doc in sorted(s.intervals) for a, b in s.intervals[doc]]
         tasks.append(ts)
-        need: dict[int, int] = {}
-        for t in ts:
-            need[t.doc_id] = max(need.get(t.doc_id, 0), t.q_end)
-        kv_prefix.append(need)
-    load_after = [sum(cost.task_cost(t.q_start, t.q_end) for t in ts) for ts in tasks]
-    pairs_after = [sum(causal_pairs(t.q_start, t.q_end) for t in ts) for ts in tasks]
+        kv_prefix.append({doc: s.need(doc) for doc in sorted(s.intervals)})
+    cost = balancer.cost
     plan = CorePlan(
-        index=index,
+        index=balancer.index,
         tasks=tasks,
         kv_prefix=kv_prefix,
-        load_before=load_before,
-        load_after=load_after,
-        pairs_before=pairs_before,
-        pairs_after=pairs_after,
-        q_row_bytes=q_row_bytes,
-        kv_row_bytes=kv_row_bytes,
-        moves=moves,
+        load_before=before[0],
+        load_after=[sum(cost.task_cost(t.q_start, t.q_end) for t in ts) for ts in tasks],
+        pairs_before=before[1],
+        pairs_after=[sum(causal_pairs(t.q_start, t.q_end) for t in ts) for ts in tasks],
+        q_row_bytes=balancer.q_row,
+        kv_row_bytes=balancer.kv_row,
+        moves=len(balancer.moves),
+        balance_level=level,
     )
     plan.bytes_sent, plan.bytes_received = _traffic(plan)
+    if link is not None:
+        plan.critical_path_after = plan_critical_path(plan, link)
+        plan.critical_path_before = (
+            plan.critical_path_after if critical_path_before is None else critical_path_before
+        )
     return plan
 
 
-def _best_move(src, dst, mean, index, cost, config, q_row_bytes, kv_row_bytes) -> _Move | None:
-    """The move from src to dst with the most cost per communicated byte (see module docstring)."""
-    want = min(src.load - mean, mean - dst.load)
-    if want <= 0:
-        return None
-    g = config.shard_tokens
-    bound = config.max_recv_bytes_per_server
-    fitting: list[_Move] = []  # moves of at most `want`
-    overshooting: list[_Move] = []  # moves that still lower max(src, dst)
-    for doc, ivs in src.intervals.items():
-        for a, b in ivs:
-            for x, y in _candidate_ranges(a, b, want, g, cost):
-                c = cost.task_cost(x, y)
-                if c <= 0:
-                    continue
-                if dst.load + c >= src.load:
-                    continue
-                q_in = (y - x) - index.count_held_by(doc, x, y, dst.rank)
-                have = dst.kv_need.get(doc, 0)
-                kv_in = 0
-                if y > have:
-                    kv_in = (y - have) - index.count_held_by(doc, have, y, dst.rank)
-                bytes_in = q_in * q_row_bytes + kv_in * kv_row_bytes
-                if bound is not None and dst.recv_bytes + bytes_in > bound:
-                    continue
-                comm = bytes_in + q_in * q_row_bytes  # outputs travel back
-                move = _Move(doc, x, y, c, bytes_in, c / (comm + 1.0))
-                (fitting if c <= want else overshooting).append(move)
-    if fitting:
-        largest = max(m.cost for m in fitting)
-        # among moves that do a real share of the wanted work, take the most cost per byte
-        substantial = [m for m in fitting if m.cost >= 0.5 * largest]
-        return max(substantial, key=lambda m: (m.score, m.cost, -m.doc, -m.a))
-    if overshooting:
-        return min(overshooting, key=lambda m: (m.cost, -m.score, m.doc, m.a))
-    return None
+def _levels(loads: Sequence[float], tolerance: float) -> list[float]:
+    """Balance levels above the mean tried when transfer time matters: (1 + tolerance) x mean x
+    LEVEL_STEP^j for j >= 1, below the most loaded server."""
+    mean = sum(loads) / len(loads)
+    out, level = [], (1.0 + tolerance) * mean * LEVEL_STEP
+    while level < max(loads):
+        out.append(level)
+        level *= LEVEL_STEP
+    return out
 
 
 def _candidate_ranges(a: int, b: int, want: float, g: int, cost) -> list[tuple[int, int]]:

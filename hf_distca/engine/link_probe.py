@@ -1,0 +1,79 @@
+"""The link probe: measure the all-to-all bandwidth the planner prices moves with
+(``DistCAConfig(measure_link=True)``), once per process group, at the first engine call on it.
+
+Every rank runs the same three collectives at the same point (prepare, right before planning): a warm-up
+all-to-all (NCCL opens its peer connections lazily), the timed all-to-all of ``PROBE_BYTES`` per rank,
+spread over the rank's peers (the ranks in other nodes when ``ranks_per_node`` is set and there are any,
+else every other rank), and an all-reduce (MAX) of the timed seconds, so that every rank prices with the
+same figure: the slowest rank's, as every all-to-all of the engine waits for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hf_distca.config import DistCAConfig
+from hf_distca.engine.consistency import collective_device
+
+PROBE_BYTES = 8 * 2**20
+"""Bytes one rank sends in the timed all-to-all (16 MiB and up reach 140-307 GiB/s on NVLink; smaller
+messages are latency-bound, so the probe's figure is a conservative one)."""
+
+_measured: dict[int, float] = {}  # id(group) -> GiB/s (None: the default group)
+
+
+def peers(rank: int, world: int, ranks_per_node: int | None) -> list[int]:
+    """The ranks ``rank`` sends probe bytes to: those in other nodes when there are any, else all others."""
+    others = [r for r in range(world) if r != rank]
+    if ranks_per_node is None:
+        return others
+    remote = [r for r in others if r // ranks_per_node != rank // ranks_per_node]
+    return remote or others
+
+
+def measure_link_gib_per_s(group: Any, device: torch.device, ranks_per_node: int | None) -> float:
+    """GiB/s of one rank's all-to-all to its :func:`peers`, the same on every rank (collective)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    dev = collective_device(group, device)
+    targets = peers(rank, world, ranks_per_node)
+    per_peer = PROBE_BYTES // len(targets)
+    splits = [per_peer if r in targets else 0 for r in range(world)]  # the peer relation is symmetric
+    send = torch.ones(sum(splits), dtype=torch.uint8, device=dev)
+    recv = torch.empty_like(send)
+
+    def exchange() -> None:
+        dist.all_to_all_single(recv, send, splits, splits, group=group)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    exchange()  # warm-up: connections
+    start = time.perf_counter()
+    exchange()
+    seconds = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=dev)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)
+    return sum(splits) / float(seconds.item()) / 2**30
+
+
+def with_measured_link(config: DistCAConfig, group: Any, device: torch.device) -> DistCAConfig:
+    """``config`` with ``link_gib_per_s`` measured on ``group`` when it asks for it (``measure_link`` and
+    no given figure); collective on the first call per group, cached after."""
+    if not config.measure_link or config.link_gib_per_s is not None:
+        return config
+    key = _key(group)
+    if key not in _measured:
+        _measured[key] = measure_link_gib_per_s(group, device, config.ranks_per_node)
+    return dataclasses.replace(config, link_gib_per_s=_measured[key])
+
+
+def measured_link_gib_per_s(group: Any) -> float | None:
+    """The figure measured on ``group`` (None before its first engine call with ``measure_link``)."""
+    return _measured.get(_key(group))
+
+
+def _key(group: Any) -> int:
+    return id(dist.group.WORLD if group is None else group)
