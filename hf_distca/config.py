@@ -85,11 +85,12 @@ class DistCAConfig:
     shapes and dtype, these config fields) and raise on every rank, naming what differs where, instead
     of hanging or planning differently. One small collective per micro-batch; must be equal on all ranks."""
 
-    ping_pong: bool | None = None
+    ping_pong: bool | None = False
     """Split each micro-batch's core attention into two nano-batches whose exchanges run asynchronously
-    while the other one's server kernel runs, in forward and backward (same results). None: on for CUDA
-    tensors, off elsewhere; True: always (on the CPU it runs the same schedule over gloo); False: never.
-    Only calls whose plan moves rows between ranks are split."""
+    while the other one's server kernel runs, in forward and backward (same results). True: always (on
+    the CPU it runs the same schedule over gloo); None: on for CUDA tensors, off elsewhere; False (the
+    default until its CUDA schedule has been checked and measured on GPUs): never. Only calls whose plan
+    moves rows between ranks are split."""
 
     ping_pong_split: str = "local_first"
     """How ping-pong splits each server's work, one of PING_PONG_SPLITS: 'local_first': the work that

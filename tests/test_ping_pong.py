@@ -502,7 +502,7 @@ def test_ping_pong_flags_come_from_the_config():
     from hf_distca.cli import config_from_args
 
     recipe = load_recipe()
-    assert config_from_args(recipe.parse_args([])).ping_pong is None
+    assert config_from_args(recipe.parse_args([])).ping_pong is False
     assert config_from_args(recipe.parse_args(["--ping-pong"])).ping_pong is True
     assert config_from_args(recipe.parse_args(["--no-ping-pong"])).ping_pong is False
     with pytest.raises(ValueError, match="ping_pong must be True, False or None"):
