@@ -42,18 +42,24 @@ import datetime
 import gzip
 import json
 import os
-import statistics
 import sys
-import time
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_remat import LossModel, load_lengths, long_share, recipe_model_shape, set_mode  # noqa: E402
+from bench_remat import (  # noqa: E402
+    LossModel,
+    barrier,
+    load_lengths,
+    long_share,
+    recipe_model_shape,
+    set_mode,
+    timed_steps,
+)
 
-from hf_distca import DistCAConfig, enable_distca, metrics  # noqa: E402
+from hf_distca import DistCAConfig, enable_distca  # noqa: E402
 from hf_distca.comm import signal_only  # noqa: E402
 from hf_distca.data import DistCABatches, documents_with_lengths  # noqa: E402
 
@@ -72,20 +78,6 @@ DEVICE = torch.device("cuda")
 DTYPE = torch.bfloat16
 
 
-def barrier() -> None:
-    if DEVICE.type == "cuda":
-        torch.cuda.synchronize()
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def max_over_ranks(values: list[float]) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=DEVICE)
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
 def one_step(model, opt, batch: dict, mode: str) -> None:
     with signal_only() if mode in SIGNAL_ONLY else contextlib.nullcontext():
         loss = model(**batch)
@@ -95,36 +87,7 @@ def one_step(model, opt, batch: dict, mode: str) -> None:
 
 
 def run_mode(model, opt, batches: list[dict], mode: str, warmup: int) -> dict:
-    times, kernels, sent, imbalance = [], [], [], []
-    cuda = DEVICE.type == "cuda"
-    if cuda:
-        torch.cuda.empty_cache()
-    for i, batch in enumerate(batches):
-        if i == warmup and cuda:
-            torch.cuda.reset_peak_memory_stats()
-        barrier()
-        metrics.reset()
-        start = time.perf_counter()
-        one_step(model, opt, batch, mode)
-        barrier()
-        elapsed = time.perf_counter() - start
-        stats = metrics.snapshot()
-        if i >= warmup:
-            times.append(elapsed)
-            kernels.append(stats.attn_fwd_kernels)
-            sent.append(stats.bytes_sent)
-            imbalance.append((stats.imbalance_before, stats.imbalance_after))
-    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
-    step_times = [max_over_ranks([t])[0] for t in times]
-    peak_max, kernels_max, sent_max = max_over_ranks([peak, float(max(kernels)), float(max(sent))])
-    return {
-        "step_s": statistics.median(step_times),
-        "steps": step_times,
-        "peak_gib": peak_max,
-        "kernels": int(kernels_max),
-        "sent_gib": sent_max / 2**30,
-        "imbalance": imbalance[0],
-    }
+    return timed_steps(lambda batch: one_step(model, opt, batch, mode), batches, warmup, DEVICE)
 
 
 def profile_step(model, opt, batch: dict, mode: str, trace_path: str | None, rank: int) -> dict:
@@ -132,10 +95,10 @@ def profile_step(model, opt, batch: dict, mode: str, trace_path: str | None, ran
     activities = [torch.profiler.ProfilerActivity.CPU]
     if DEVICE.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    barrier()
+    barrier(DEVICE)
     with torch.profiler.profile(activities=activities) as prof:
         one_step(model, opt, batch, mode)
-        barrier()
+        barrier(DEVICE)
     if rank != 0:
         return {}
     raw = (trace_path or "trace") + ".json"

@@ -123,38 +123,35 @@ def set_mode(lm: torch.nn.Module, mode: str) -> None:
             hf_distca.enable_remat_checkpointing(lm)
 
 
-def max_over_ranks(values: list[float]) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=DEVICE)
+def max_over_ranks(values: list[float], device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
 
 
-def barrier() -> None:
-    if DEVICE.type == "cuda":
+def barrier(device: torch.device) -> None:
+    if device.type == "cuda":
         torch.cuda.synchronize()
     if dist.is_initialized():
         dist.barrier()
 
 
-def run_mode(model, lm, opt, batches, mode: str, warmup: int) -> dict:
-    set_mode(lm, mode)
-    lm.train()
+def timed_steps(step, batches, warmup: int, device: torch.device) -> dict:
+    """Run ``step(batch)`` on every batch; after ``warmup`` of them: median step time (slowest rank),
+    peak memory, forward kernel runs and bytes sent per step (max over ranks), planned imbalance."""
     times, kernels, sent, imbalance = [], [], [], []
-    cuda = DEVICE.type == "cuda"
+    cuda = device.type == "cuda"
     if cuda:
         torch.cuda.empty_cache()
     for i, batch in enumerate(batches):
         if i == warmup and cuda:
             torch.cuda.reset_peak_memory_stats()
-        barrier()
+        barrier(device)
         metrics.reset()
         start = time.perf_counter()
-        loss = model(**batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        barrier()
+        step(batch)
+        barrier(device)
         elapsed = time.perf_counter() - start
         stats = metrics.snapshot()
         if i >= warmup:
@@ -163,8 +160,8 @@ def run_mode(model, lm, opt, batches, mode: str, warmup: int) -> dict:
             sent.append(stats.bytes_sent)
             imbalance.append((stats.imbalance_before, stats.imbalance_after))
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
-    step_times = [max_over_ranks([t])[0] for t in times]
-    peak_max, kernels_max, sent_max = max_over_ranks([peak, float(max(kernels)), float(max(sent))])
+    step_times = [max_over_ranks([t], device)[0] for t in times]
+    peak_max, kernels_max, sent_max = max_over_ranks([peak, float(max(kernels)), float(max(sent))], device)
     return {
         "step_s": statistics.median(step_times),
         "steps": step_times,
@@ -173,6 +170,19 @@ def run_mode(model, lm, opt, batches, mode: str, warmup: int) -> dict:
         "sent_gib": sent_max / 2**30,
         "imbalance": imbalance[0],
     }
+
+
+def run_mode(model, lm, opt, batches, mode: str, warmup: int) -> dict:
+    set_mode(lm, mode)
+    lm.train()
+
+    def step(batch: dict) -> None:
+        loss = model(**batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return timed_steps(step, batches, warmup, DEVICE)
 
 
 def attention_forward_seconds(
@@ -188,14 +198,14 @@ def attention_forward_seconds(
         layout = batch["distca_layout"]
         with torch.no_grad():
             core_attention(q, kv, kv, layout.pieces, group=group, config=config, all_pieces=layout.all_pieces)
-            barrier()
+            barrier(DEVICE)
             start = time.perf_counter()
             for _ in range(layers):
                 core_attention(
                     q, kv, kv, layout.pieces, group=group, config=config, all_pieces=layout.all_pieces
                 )
-            barrier()
-        times.append(max_over_ranks([time.perf_counter() - start])[0])
+            barrier(DEVICE)
+        times.append(max_over_ranks([time.perf_counter() - start], DEVICE)[0])
     return statistics.median(times)
 
 
