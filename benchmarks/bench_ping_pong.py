@@ -58,6 +58,7 @@ from bench_remat import (  # noqa: E402
     set_mode,
     timed_steps,
 )
+from bench_remat import write_outputs as write_results  # noqa: E402
 
 from hf_distca import DistCAConfig, enable_distca  # noqa: E402
 from hf_distca.comm import signal_only  # noqa: E402
@@ -348,14 +349,7 @@ def main(argv=None) -> int:
 
 # --------------------------------------------------------------------------------------------- report
 def write_outputs(results: dict, args, world: int, config) -> str:
-    text = report(results, args, world, config)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-    return text
+    return write_results(results, args, world, config, render=report)
 
 
 def _timeline_rows(calls: list[dict], layers: int) -> list[str]:

@@ -352,9 +352,10 @@ def main() -> int:
     return 0
 
 
-def write_outputs(results: dict, args, world: int, config) -> str:
-    """(Re)write the markdown table and the JSON of the results so far; return the table."""
-    text = report(results, args, world, config)
+def write_outputs(results: dict, args, world: int, config, render=None) -> str:
+    """(Re)write the markdown table (``render``, default this script's :func:`report`) and the JSON of the
+    results so far to ``args.out`` / ``args.json``; return the table."""
+    text = (render or report)(results, args, world, config)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
