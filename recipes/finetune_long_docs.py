@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -453,5 +454,20 @@ def peak_memory_gib(world: int) -> list[float] | None:
     return [round(float(peak), 3)]
 
 
+def end_process_group() -> None:
+    """Destroy the default process group while the interpreter is still alive (after every rank is done).
+
+    gloo's worker threads must be joined before interpreter finalization: a group torn down there can abort
+    the process ("terminate called without an active exception") after training succeeded. The finished
+    runs' DDP reducers hold the group, so they are collected first.
+    """
+    gc.collect()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
 if __name__ == "__main__":
-    sys.exit(0 if main() is not None else 1)
+    summary = main()
+    end_process_group()
+    sys.exit(0 if summary is not None else 1)

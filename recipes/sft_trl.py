@@ -31,7 +31,14 @@ from __future__ import annotations
 import os
 import sys
 
-from finetune_long_docs import LENGTHS_VOCAB, build_parser, finish, prepare, training_kwargs
+from finetune_long_docs import (
+    LENGTHS_VOCAB,
+    build_parser,
+    end_process_group,
+    finish,
+    prepare,
+    training_kwargs,
+)
 
 
 def token_id_tokenizer(vocab_size: int):
@@ -81,4 +88,6 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")  # SFTTrainer pings the Hub otherwise
-    sys.exit(0 if main() is not None else 1)
+    summary = main()
+    end_process_group()
+    sys.exit(0 if summary is not None else 1)

@@ -20,15 +20,8 @@ if __name__ == "__main__":
     sys.path.insert(0, os.path.join(ROOT, "recipes"))
     with open(sys.argv[1]) as f:
         runs = json.load(f)
+    from finetune_long_docs import end_process_group
+
     for recipe, argv in runs:
         importlib.import_module(os.path.splitext(recipe)[0]).main(argv)
-    # gloo's worker threads must stop while the interpreter is alive: a process whose process group is
-    # destroyed in finalization can abort there ("terminate called without an active exception"); the
-    # finished runs' DDP reducers hold the group until they are collected
-    import gc
-
-    import torch.distributed as dist
-
-    gc.collect()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    end_process_group()
