@@ -20,15 +20,23 @@ distca             the recipe's defaults (planner tolerance 0.1; rematerializati
                    where hf_distca has it)
 distca-sft         ``recipes/sft_trl.py``: DistCA through TRL's SFTTrainer (its own fused LM head
                    instead of --liger); needs trl and datasets on the GPU machine
+ulysses            ``recipes/sequence_parallel_long_docs.py --parallelism ulysses``: DeepSpeed Ulysses /
+                   ALST through Accelerate's ``parallelism_config`` (``sp_backend="deepspeed"``,
+                   ``sp_size`` = ``--gpus``), ZeRO-3; each step's documents packed into one row that the
+                   ranks shard by sequence and attend by heads; core attention: hf_distca's
+                   document-aware varlen attention (``torch_varlen``; flash-attn is not on the GPU
+                   image); exact (tested on CPU against one process); needs the DeepSpeed wheels
+torch-cp           ``recipes/sequence_parallel_long_docs.py --parallelism torch-cp --attn sdpa``: torch
+                   context parallelism through Accelerate's ``cp_size`` (FSDP2, SDPA); Accelerate
+                   replaces the document mask with whole-row causal attention: **the math differs**
+                   (packed documents see each other; tests/test_sequence_parallel.py)
 =================  =====================================================================================
 
-Not in the list: DeepSpeed Ulysses / ALST (Accelerate ``parallelism_config`` ``sp_size``) needs an
-attention that respects document boundaries under sequence sharding (flash-attn varlen; the GPU image
-has no flash-attn, and DeepSpeed's ALST replaces an attention key of its own), carried DeepSpeed wheels,
-and a recipe path that hands it packed batches with ``position_ids``; torch context parallelism
-through Accelerate's ``cp_size`` runs SDPA with ``is_causal=True`` over the whole sharded sequence,
-ignoring document boundaries (TRL refuses packing with ``cp_size > 1`` for that reason), so it is not
-exact on packed documents. Neither has a tested path in this repository, so neither is run.
+Not exact: hf-default and torch-cp (left out of "fastest exact system"). The simulator has no model of
+ulysses and torch-cp: their prediction columns stay empty. ``ulysses`` and ``torch-cp`` are not in the
+default ``--systems``: run them with ``--systems ulysses torch-cp`` (DeepSpeed and its dependencies carried
+as wheels for ulysses, see DESIGN.md); ulysses needs heads and KV heads divisible by ``--gpus`` (KV
+heads fewer than GPUs are replicated), which Llama-3-8B's 32/8 meet for 2, 4 and 8 GPUs.
 
 Every run writes ``metrics.jsonl`` and ``summary.json`` (peak memory per rank) under ``--runs-dir``;
 runs that already hold ``--steps`` steps are not run again, so the suite can be run in parts (e.g. one
@@ -92,9 +100,15 @@ SYSTEM_RUNS = {
     "balanced": ("recipes/finetune_long_docs.py", ["--layout", "balanced", "--max-planner-moves", "0"]),
     "distca": ("recipes/finetune_long_docs.py", []),
     "distca-sft": ("recipes/sft_trl.py", []),
+    "ulysses": ("recipes/sequence_parallel_long_docs.py", ["--parallelism", "ulysses"]),
+    "torch-cp": ("recipes/sequence_parallel_long_docs.py", ["--parallelism", "torch-cp", "--attn", "sdpa"]),
 }
-SIMULATED_AS = {"distca-sft": "distca"}
-"""Systems the simulator prices as another (the same batches and plans)."""
+SIMULATED_AS = {"distca-sft": "distca", "ulysses": None, "torch-cp": None}
+"""Systems the simulator prices as another (the same batches and plans); None: not modelled."""
+SELF_CONFIGURED = ("ulysses", "torch-cp")
+"""Systems launched with torchrun even under --accelerate-config (their recipe configures the parallelism)."""
+NOT_EXACT = ("hf-default", "torch-cp")
+"""Systems whose attention differs from the per-document math (left out of the fastest exact system)."""
 DEFAULT_SYSTEMS = ("hf-default", "exact-unbalanced", "balanced", "distca")
 LEARNING_RATE = "1e-5"
 
@@ -210,28 +224,31 @@ def plan_runs(args, files: dict[str, tuple[str, list[int]]]) -> list[Run]:
     """Every (workload, token budget, system) run with its recipe command."""
     runs = []
     env = {"NCCL_P2P_DISABLE": "1"} if args.link == "host" else {}
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(args.gpus),
+    ]
     launcher = (
         ["accelerate", "launch", "--config_file", args.accelerate_config, "--num_processes", str(args.gpus)]
         if args.accelerate_config
-        else [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            str(args.gpus),
-        ]
+        else torchrun
     )
     for name, (path, sample) in files.items():
         for tokens_per_rank in args.tokens_per_rank:
             count = documents_for(sample, args.steps, args.gpus * tokens_per_rank)
             for system in args.systems:
                 recipe, flags = SYSTEM_RUNS[system]
+                # the sequence-parallel recipe sets up DeepSpeed / FSDP2 itself: an accelerate config would clash
+                launch = torchrun if system in SELF_CONFIGURED else launcher
                 link = "-p2p-off" if args.link == "host" else ""
                 out_dir = os.path.join(args.runs_dir, f"{name}-{tokens_per_rank}-{system}{link}")
                 liger = [] if args.no_liger or recipe.endswith("sft_trl.py") else ["--liger"]
                 command = [
-                    *launcher, recipe, "--model", "llama3-8b-shaped", "--num-layers", str(args.layers),
+                    *launch, recipe, "--model", "llama3-8b-shaped", "--num-layers", str(args.layers),
                     "--tokens-per-rank", str(tokens_per_rank), "--bf16", "--gradient-checkpointing", *liger,
                     "--doc-lengths", path, "--num-documents", str(count), "--seed", str(args.seed),
                     "--max-steps", str(args.steps), "--learning-rate", LEARNING_RATE, "--no-save",
@@ -294,7 +311,8 @@ class Measured:
     mfu: float
     first_loss: float
     imbalance_after: float
-    sent_gib_max: float
+    sent_gib_max: float | None
+    """GiB sent per step by the busiest rank (mean over the measured steps); None when the run counts none."""
     peak_memory_gib: float | None
 
 
@@ -324,7 +342,11 @@ def measure(
         mfu=sum(flops) / (sum(seconds) * gpus * sim.PEAK_TFLOPS * 1e12),
         first_loss=records[0]["loss"],
         imbalance_after=statistics.fmean(r["imbalance_after"] for r in timed),
-        sent_gib_max=statistics.fmean(max(r.get("bytes_sent", [0])) for r in timed) / 2**30,
+        sent_gib_max=(
+            statistics.fmean(max(r["bytes_sent"]) for r in timed) / 2**30
+            if all("bytes_sent" in r for r in timed)
+            else None  # torch-cp: its ring exchanges are not counted
+        ),
         peak_memory_gib=peak,
     )
 
@@ -344,7 +366,7 @@ def predict(args, sample: list[int], tokens_per_rank: int, systems: Sequence[str
     lengths = draw_lengths(sample, documents_for(sample, args.steps, args.gpus * tokens_per_rank), args.seed)
     steps = global_batches(lengths, world_size=args.gpus, tokens_per_rank=tokens_per_rank, grad_accum=1,
                            seed=args.seed, steps=args.steps)  # fmt: skip
-    simulated = sorted({SIMULATED_AS.get(s, s) for s in systems} | {"exact-unbalanced"})
+    simulated = sorted({SIMULATED_AS.get(s, s) for s in systems} - {None} | {"exact-unbalanced"})
     measured_steps = steps[args.skip :]
     return steps, sim.simulate(simulated, measured_steps, setting), model
 
@@ -428,23 +450,31 @@ def write_report(
                         problems[run.out_dir] = str(err)
             base = measured.get("exact-unbalanced")
             for run in group:
-                p = predicted[SIMULATED_AS.get(run.system, run.system)]
+                p = prediction(predicted, run.system)
                 status = statuses.get(run.out_dir, "kept" if run.system in measured else "not run")
                 if run.out_dir in problems:
                     status = (
                         problems[run.out_dir] if status == "not run" else f"{status}; {problems[run.out_dir]}"
                     )
                 m = measured.get(run.system)
+                step, imbalance, exposed = (
+                    (f"{p.step_s:.2f}", f"{p.imbalance:.2f}", f"{p.exposed_comm_s:.2f}")
+                    if p
+                    else ("-", "-", "-")
+                )
                 if m is None:
-                    lines.append(f"| {run.system} | {status} | | | | | | | | {p.step_s:.2f} | | {p.imbalance:.2f} "
-                                 f"| {p.exposed_comm_s:.2f} | |")  # fmt: skip
+                    lines.append(
+                        f"| {run.system} | {status} | | | | | | | | {step} | | {imbalance} | {exposed} | |"
+                    )
                     continue
                 peak = "-" if m.peak_memory_gib is None else f"{m.peak_memory_gib:.1f}"
+                sent = "-" if m.sent_gib_max is None else f"{m.sent_gib_max:.2f}"
                 speedup = f"{base.step_s / m.step_s:.2f}x" if base else "-"
+                error = f"{p.step_s / m.step_s - 1:+.0%}" if p else "-"
                 lines.append(
                     f"| {run.system} | {status} | {m.step_s:.3f} | {m.tokens_per_s:,.0f} | {m.mfu:.1%} | {peak} "
-                    f"| {m.first_loss:.5f} | {m.imbalance_after:.2f} | {m.sent_gib_max:.2f} | {p.step_s:.2f} "
-                    f"| {p.step_s / m.step_s - 1:+.0%} | {p.imbalance:.2f} | {p.exposed_comm_s:.2f} | {speedup} |"
+                    f"| {m.first_loss:.5f} | {m.imbalance_after:.2f} | {sent} | {step} | {error} | {imbalance} "
+                    f"| {exposed} | {speedup} |"
                 )
             lines += ["", headline(measured, predicted)]
             png = os.path.join(args.results_dir, f"{date}-{args.name}-{name}-{tokens_per_rank}.png")
@@ -460,6 +490,12 @@ def write_report(
     return "\n".join(lines) + "\n", plots
 
 
+def prediction(predicted: dict[str, sim.Result], system: str) -> sim.Result | None:
+    """The simulator's result for ``system`` (None for systems it does not model)."""
+    key = SIMULATED_AS.get(system, system)
+    return None if key is None else predicted[key]
+
+
 def headline(measured: dict[str, Measured], predicted: dict[str, sim.Result]) -> str:
     """DistCA's measured speedup over exact-unbalanced against the ideal one (the headline number)."""
     if "distca" not in measured or "exact-unbalanced" not in measured:
@@ -467,7 +503,7 @@ def headline(measured: dict[str, Measured], predicted: dict[str, sim.Result]) ->
     base, mine = measured["exact-unbalanced"].step_s, measured["distca"].step_s
     ideal = predicted["exact-unbalanced"].step_s / predicted["exact-unbalanced"].ideal_step_s
     speedup = base / mine
-    exact = {k: v.step_s for k, v in measured.items() if k != "hf-default"}
+    exact = {k: v.step_s for k, v in measured.items() if k not in NOT_EXACT}
     text = (
         f"DistCA against the ideal: {speedup:.2f}x over exact-unbalanced, ideal {ideal:.2f}x (predicted); "
         f"fastest exact system measured: {min(exact, key=exact.get)}"
@@ -491,7 +527,7 @@ def plot_group(
     xs = range(len(names))
     fig, ax = plt.subplots(figsize=(1.4 * len(names) + 2.5, 3.4))
     ax.bar([x - 0.2 for x in xs], [measured[n].step_s for n in names], 0.4, label="measured")
-    ax.bar([x + 0.2 for x in xs], [predicted[SIMULATED_AS.get(n, n)].step_s for n in names], 0.4,
+    ax.bar([x + 0.2 for x in xs], [getattr(prediction(predicted, n), "step_s", float("nan")) for n in names], 0.4,
            label="predicted (simulator)", alpha=0.7)  # fmt: skip
     ideal = predicted["exact-unbalanced"].ideal_step_s
     base = measured.get("exact-unbalanced")
