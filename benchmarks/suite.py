@@ -66,6 +66,12 @@ prediction and the ideal are priced with it):
         --workload prolong=DATA/doclens_prolong.json --workload long-mix --tokens-per-rank 65536 \\
         --layers 16 --steps 6 --report-only
 
+The sequence-parallel baselines, once per workload (DeepSpeed 0.19.8 and its dependencies importable, e.g.
+``PYTHONPATH=WHEELS``; not in the default systems):
+
+    python benchmarks/suite.py --name 2xh200 --gpus 2 --workload long-mix --tokens-per-rank 65536 --layers 16 \\
+        --steps 6 --systems ulysses torch-cp
+
 (DATA: the directory of the shared length samples. Add ``--tokens-per-rank 32768 65536`` for both
 budgets; ``--link host`` repeats the runs with ``NCCL_P2P_DISABLE=1`` and prices the simulator's link
 accordingly; ``--layers 32 --accelerate-config accelerate_configs/fsdp2_1node.yaml`` if 16 layers fit
@@ -272,7 +278,8 @@ def execute(run: Run, steps: int, timeout: int, log=print) -> str:
         return "kept"
     os.makedirs(run.out_dir, exist_ok=True)
     log(f"== {run.workload} {run.tokens_per_rank} {run.system}: {shlex.join(run.command)}")
-    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)  # keeps carried wheels
+    env = dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
                HF_HUB_DISABLE_TELEMETRY="1", NCCL_NVLS_ENABLE="0", **run.env)  # fmt: skip
     with open(os.path.join(run.out_dir, "run.log"), "w") as f:
         try:

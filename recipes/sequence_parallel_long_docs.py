@@ -20,10 +20,11 @@ seed, same global batches; every flag of finetune_long_docs.py that concerns the
   while DeepSpeed takes any registered attention key: the recipe sets ``sp_attn_implementation`` to
   ``distca`` after the config's own validation. Heads must divide by ``sp_size`` and KV heads must
   divide by it or divide it (fewer KV heads than ranks are replicated); otherwise DeepSpeed raises.
-  ZeRO-3 only: under ZeRO 0 and 1 DeepSpeed 0.19.8 sums the sequence-parallel ranks' gradients
-  without dividing by ``sp_size``, while Transformers' SP loss already gives each rank the whole
-  gradient of its shard's share: the gradient comes out ``sp_size`` times too large (measured on CPU;
-  tests/test_sequence_parallel.py).
+  ZeRO-3 only, the configuration tested exact (tests/test_sequence_parallel.py). Under ZeRO-0 and
+  ZeRO-1, CPU runs (sp_size 2, one SGD step) moved the weights twice as far as one process: DeepSpeed
+  0.19.8 sums the sequence-parallel ranks' gradients there (it divides by ``sp x dp / sp``), while
+  Transformers' SP loss, an all-gather of the ranks' losses, already gives each rank ``sp`` times its
+  share of the gradient.
 - ``--parallelism torch-cp``: torch context parallelism (``cp_size`` = the world size, FSDP2, SDPA;
   CUDA only: torch has no sharding rule for the CPU SDPA kernel). Accelerate replaces every
   attention mask with ``is_causal=True``, so packed documents attend to each other: **not exact**
@@ -51,6 +52,8 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import finetune_long_docs as base  # noqa: E402
 
+import hf_distca  # noqa: E402
+from hf_distca.cli import config_from_args  # noqa: E402
 from hf_distca.data.loader import DistCABatches  # noqa: E402
 
 PARALLELISMS = ("ulysses", "torch-cp")
@@ -257,6 +260,8 @@ def main(argv=None) -> dict:
     base.check_liger(args, training_args.use_cpu, model.config.model_type)
     if args.gradient_checkpointing:
         model.config.use_cache = False
+    if base.ATTN[args.attn] == "distca":  # the kernel backend of the local, document-aware attention
+        hf_distca.enable_distca(model, config=config_from_args(args))
     rows = packed_rows(documents, args, world)
     trainer = SequenceParallelTrainer(
         model=model, args=training_args, train_dataset=rows, data_collator=collate
