@@ -20,11 +20,11 @@ seed, same global batches; every flag of finetune_long_docs.py that concerns the
   while DeepSpeed takes any registered attention key: the recipe sets ``sp_attn_implementation`` to
   ``distca`` after the config's own validation. Heads must divide by ``sp_size`` and KV heads must
   divide by it or divide it (fewer KV heads than ranks are replicated); otherwise DeepSpeed raises.
-  ZeRO-3 only, the configuration tested exact (tests/test_sequence_parallel.py). Under ZeRO-0 and
-  ZeRO-1, CPU runs (sp_size 2, one SGD step) moved the weights twice as far as one process: DeepSpeed
-  0.19.8 sums the sequence-parallel ranks' gradients there (it divides by ``sp x dp / sp``), while
-  Transformers' SP loss, an all-gather of the ranks' losses, already gives each rank ``sp`` times its
-  share of the gradient.
+  ZeRO-3 only, the configuration tested exact (tests/test_sequence_parallel.py). Under ZeRO-1 (tested)
+  and ZeRO-0 (one CPU run) an SGD step moves the weights along ``sp_size`` times the single-process
+  gradient: DeepSpeed 0.19.8 sums the sequence-parallel ranks' gradients there instead of averaging
+  them, while Transformers' SP loss, an all-gather of the ranks' losses, already gives each rank the
+  whole gradient of its shard's share.
 - ``--parallelism torch-cp``: torch context parallelism (``cp_size`` = the world size, FSDP2, SDPA;
   CUDA only: torch has no sharding rule for the CPU SDPA kernel). Accelerate replaces every
   attention mask with ``is_causal=True``, so packed documents attend to each other: **not exact**

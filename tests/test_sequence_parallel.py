@@ -193,17 +193,18 @@ def test_packed_rows_are_the_distca_global_batches(tmp_path, monkeypatch, capsys
         sp_recipe.main(["--parallelism", "torch-cp", "--attn", "sdpa", "--cpu"])
 
 
-def _launch(world: int, recipe: str, out_dir: str, *argv: str) -> list[dict]:
+def _launch(world: int, script: str, out_dir: str, *argv: str) -> list[dict]:
+    """Run ``script`` (a path under the repository) on ``world`` processes; its metrics records."""
     if world > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)]
     else:
         cmd = [sys.executable]
-    cmd += [os.path.join(ROOT, "recipes", recipe), "--output-dir", out_dir, *argv]
+    cmd += [os.path.join(ROOT, script), *argv, "--output-dir", out_dir]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", DS_ACCELERATOR="cpu",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (
-        f"{recipe} failed on {world} process(es):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        f"{script} failed on {world} process(es):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     )
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
@@ -217,9 +218,16 @@ def test_ulysses_recipe_trains_like_one_process(tmp_path):
     lengths.write_text(json.dumps([300, 700, 1500, 2600, 120, 90, 450, 1000]))
     common = ["--doc-lengths", str(lengths), "--num-documents", "40", "--max-steps", "3", "--optim", "sgd",
               "--learning-rate", "0.5", "--seed", "3", "--no-save"]  # fmt: skip
-    ref = _launch(1, "finetune_long_docs.py", str(tmp_path / "ref"), *common, "--tokens-per-rank", "2048")
+    ref = _launch(
+        1, "recipes/finetune_long_docs.py", str(tmp_path / "ref"), *common, "--tokens-per-rank", "2048"
+    )
     ulysses = _launch(
-        2, "sequence_parallel_long_docs.py", str(tmp_path / "sp"), *common, "--tokens-per-rank", "1024"
+        2,
+        "recipes/sequence_parallel_long_docs.py",
+        str(tmp_path / "sp"),
+        *common,
+        "--tokens-per-rank",
+        "1024",
     )
     assert [r["step"] for r in ulysses] == [r["step"] for r in ref] == [1, 2, 3]
     rtol = TOL["train_loss"][0]
@@ -233,3 +241,38 @@ def _tiny_llama():
     from transformers import LlamaConfig
 
     return LlamaConfig(**sp_recipe.base.BUILTIN_MODELS["tiny-llama"])
+
+
+@pytest.mark.slow
+def test_ulysses_under_zero1_scales_the_gradient_by_sp_size(tmp_path):
+    """Why the recipe runs ZeRO-3 only: under ZeRO-1, DeepSpeed 0.19.8 sums the two sequence-parallel ranks'
+    gradients, each already the whole gradient of its shard's share (Transformers' all-gathered SP loss),
+    so one SGD step moves the weights along 2 x the single-process gradient (then clipped to norm 1)."""
+    from safetensors.torch import load_file
+
+    lengths = tmp_path / "lens.json"
+    lengths.write_text(json.dumps([300, 700, 1500, 2600, 120, 90, 450, 1000]))
+    argv = ["--doc-lengths", str(lengths), "--num-documents", "40", "--max-steps", "1", "--optim", "sgd",
+            "--learning-rate", "0.5", "--seed", "3", "--tokens-per-rank", "1024"]  # fmt: skip
+    _launch(2, "tests/ulysses_zero_stage.py", str(tmp_path / "z1"), "1", *argv)
+    trained = load_file(str(tmp_path / "z1" / "model" / "model.safetensors"))
+    # the single-process gradient of the same first step, in this process
+    args = sp_recipe.parse_args(argv)
+    documents, vocab = sp_recipe.base.documents_from_lengths(args)
+    row = sp_recipe.packed_rows(documents, args, world=2)[0]
+    model = sp_recipe.base.build_model(args, vocab, torch.float32)
+    start = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model(**row).loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())))
+    scale = 2 * min(1.0, 1.0 / (2 * norm))  # 2 x the gradient, clipped to max_grad_norm = 1
+    assert 2 * norm > 1.0 or scale == 2.0
+    for name, grad in grads.items():
+        moved = start[name] - trained[name]  # = learning rate x the applied gradient
+        expected = 0.5 * scale * grad
+        torch.testing.assert_close(
+            moved, expected, rtol=1e-3, atol=1e-3 * float(expected.abs().max()), msg=name
+        )
+        assert float((moved - 0.5 * grad).abs().max()) > 0.1 * float(
+            expected.abs().max()
+        )  # not the oracle step
