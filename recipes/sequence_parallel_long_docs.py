@@ -23,8 +23,8 @@ seed, same global batches; every flag of finetune_long_docs.py that concerns the
   ZeRO-3 only, the configuration tested exact (tests/test_sequence_parallel.py). Under ZeRO-1 (tested)
   and ZeRO-0 (one CPU run) an SGD step moves the weights along ``sp_size`` times the single-process
   gradient: DeepSpeed 0.19.8 sums the sequence-parallel ranks' gradients there instead of averaging
-  them, while Transformers' SP loss, an all-gather of the ranks' losses, already gives each rank the
-  whole gradient of its shard's share.
+  them, while Transformers' SP loss already scales each rank's gradient by ``sp_size`` (the backward of
+  its all-gather of the ranks' losses sums the combined loss's gradient over the ranks).
 - ``--parallelism torch-cp``: torch context parallelism (``cp_size`` = the world size, FSDP2, SDPA;
   CUDA only: torch has no sharding rule for the CPU SDPA kernel). Accelerate replaces every
   attention mask with ``is_causal=True``, so packed documents attend to each other: **not exact**

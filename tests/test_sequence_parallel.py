@@ -246,8 +246,8 @@ def _tiny_llama():
 @pytest.mark.slow
 def test_ulysses_under_zero1_scales_the_gradient_by_sp_size(tmp_path):
     """Why the recipe runs ZeRO-3 only: under ZeRO-1, DeepSpeed 0.19.8 sums the two sequence-parallel ranks'
-    gradients, each already the whole gradient of its shard's share (Transformers' all-gathered SP loss),
-    so one SGD step moves the weights along 2 x the single-process gradient (then clipped to norm 1)."""
+    gradients, each already 2 x its share (the backward of Transformers' all-gathered SP loss sums over the
+    ranks), so one SGD step moves the weights along 2 x the single-process gradient (clipped to norm 1)."""
     from safetensors.torch import load_file
 
     lengths = tmp_path / "lens.json"
