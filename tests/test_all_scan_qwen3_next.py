@@ -303,3 +303,21 @@ def test_all_scan_qwen3_next_wrapper_restarts_per_document():
         # cu_seq_lens (with it, its recurrence restarts per document but its convolution does not)
         with pytest.raises(ValueError, match="packed sequences"):
             ref.model.layers[2].linear_attn(hidden, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+
+
+def test_all_scan_conv_halo_bad_input_raises():
+    from hf_distca.planning import PieceError
+
+    x, weight = torch.zeros(10, 3), torch.zeros(3, 4)
+    with pytest.raises(ValueError, match="x \\(T, C\\) and weight \\(C, K\\)"):
+        causal_conv_pieces(x, torch.zeros(4, 4), None, [(0, 0, 10)])
+    with pytest.raises(ValueError, match="cover 9 tokens"):
+        causal_conv_pieces(x, weight, None, [(0, 0, 9)])
+    with pytest.raises(PieceError, match="tile each document"):
+        causal_conv_pieces(x, weight, None, [(0, 0, 5), (0, 6, 5)])
+    with pytest.raises(ValueError, match="all_pieces lists 2 ranks"):
+        causal_conv_pieces(x, weight, None, [(0, 0, 10)], all_pieces=[[(0, 0, 10)], [(1, 0, 3)]])
+    with pytest.raises(ValueError, match="pieces differ from all_pieces"):
+        causal_conv_pieces(x, weight, None, [(0, 0, 10)], all_pieces=[[(1, 0, 10)]])
+    with pytest.raises(ValueError, match="at least one tap"):
+        build_halo_plan([[(0, 0, 3)]], 0, 0)
