@@ -1,14 +1,17 @@
-"""Train a hybrid model (MiniMax: lightning linear attention + softmax attention) with documents cut across ranks.
+"""Train a hybrid model (linear attention + softmax attention) with documents cut across ranks.
 
     torchrun --standalone --nproc-per-node 2 recipes/hybrid_linear_loop.py --tokens-per-rank 512
+    torchrun --standalone --nproc-per-node 2 recipes/hybrid_linear_loop.py --arch qwen3-next
 
 A plain Accelerate loop. Per step every rank builds its share of the same global batch (``DistCABatches``:
 documents longer than a rank's share are cut over ranks); the softmax layers run through
-attn_implementation="distca" (``enable_distca``) and the lightning layers through the cross-rank state
+attn_implementation="distca" (``enable_distca``) and the linear layers through the cross-rank state
 scan (``enable_linear_attention_sp``: All-Scan by default). The loss is token-weighted over the whole
 global batch, so the per-step losses equal a single-process run with ``--tokens-per-rank`` x world size.
-The model is MiniMax built from its config with random weights (``--size tiny`` for CPU, ``small`` for
-a GPU); ``--model`` loads a local MiniMax checkpoint instead.
+``--arch``: MiniMax (lightning attention, a per-head constant decay) or Qwen3-Next (gated DeltaNet: a
+causal convolution whose rows cross ranks through a halo exchange, then the delta rule, a dense
+transition), built from its config with random weights (``--size tiny`` for CPU, ``small`` for a GPU);
+``--model`` loads a local checkpoint of either instead.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import sys
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
-from transformers import AutoModelForCausalLM, MiniMaxConfig
+from transformers import AutoModelForCausalLM, MiniMaxConfig, Qwen3NextConfig
 
 import hf_distca
 from hf_distca.data import DistCABatches, DistCADataLoader, generate_documents
@@ -29,9 +32,9 @@ from hf_distca.linear import LinearSPConfig
 from hf_distca.linear.layers import enable_linear_attention_sp
 from hf_distca.linear.ops import chains_of
 
+# random-init shapes: 3 linear-attention layers per softmax layer (MiniMax-01 uses 7 per 1, Qwen3-Next 3)
 SIZES = {
-    # random-init MiniMax shapes: 3 lightning layers per softmax layer (MiniMax-01 uses 7 per 1)
-    "tiny": dict(
+    ("minimax", "tiny"): dict(
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=4,
@@ -41,7 +44,7 @@ SIZES = {
         num_local_experts=2,
         num_experts_per_tok=2,
     ),
-    "small": dict(
+    ("minimax", "small"): dict(
         hidden_size=1024,
         intermediate_size=2816,
         num_hidden_layers=8,
@@ -51,20 +54,54 @@ SIZES = {
         num_local_experts=1,
         num_experts_per_tok=1,
     ),
+    ("qwen3-next", "tiny"): dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        num_experts=2,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+    ),
+    ("qwen3-next", "small"): dict(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+        linear_num_key_heads=8,
+        linear_num_value_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=1024,
+        shared_expert_intermediate_size=1024,
+    ),
 }
+CONFIGS = {"minimax": MiniMaxConfig, "qwen3-next": Qwen3NextConfig}
 
 
 def build_model(args, vocab_size: int) -> torch.nn.Module:
     if args.model is not None:
         return AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="distca")
-    shape = SIZES[args.size]
+    shape = SIZES[(args.arch, args.size)]
     layers = shape["num_hidden_layers"]
-    config = MiniMaxConfig(
+    extra = dict(block_size=64) if args.arch == "minimax" else dict(linear_conv_kernel_dim=4)
+    config = CONFIGS[args.arch](
         vocab_size=vocab_size,
         layer_types=["full_attention" if i % 4 == 2 else "linear_attention" for i in range(layers)],
         max_position_embeddings=65536,
-        block_size=64,
         use_cache=False,
+        **extra,
         **shape,
     )
     torch.manual_seed(args.seed)
@@ -75,8 +112,15 @@ def build_model(args, vocab_size: int) -> torch.nn.Module:
 
 def main(argv=None) -> list[float]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="local MiniMax checkpoint (default: random init of --size)")
-    p.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    p.add_argument(
+        "--arch", choices=sorted(CONFIGS), default="minimax", help="architecture of the random init"
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="local MiniMax or Qwen3-Next checkpoint (default: random init of --size)",
+    )
+    p.add_argument("--size", choices=("tiny", "small"), default="tiny")
     p.add_argument("--tokens-per-rank", type=int, default=512)
     p.add_argument("--max-steps", type=int, default=5)
     p.add_argument("--grad-accum", type=int, default=1)
@@ -124,7 +168,7 @@ def main(argv=None) -> list[float]:
     optimizer = torch.optim.SGD(model.parameters(), lr=args.learning_rate)
     model, optimizer = accelerator.prepare(model, optimizer)
     if accelerator.is_main_process:
-        print(f"{replaced} lightning-attention layers on the {args.scan} scan, {world} rank(s)", flush=True)
+        print(f"{replaced} linear-attention layers on the {args.scan} scan, {world} rank(s)", flush=True)
 
     losses, cut_documents = [], 0
     micro = iter(DistCADataLoader(batches))  # already one share per rank: not sharded by Accelerate

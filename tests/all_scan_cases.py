@@ -88,7 +88,7 @@ def rank_rows(all_pieces, rank: int) -> torch.Tensor:
     for n in lengths:
         offsets.append(offsets[-1] + n)
     rows = [torch.arange(offsets[d] + s, offsets[d] + s + n) for d, s, n in all_pieces[rank]]
-    return torch.cat(rows)
+    return torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
 
 
 def per_token(x: torch.Tensor | None, total: int) -> bool:
@@ -129,3 +129,56 @@ def tiny_minimax(attn_implementation: str, dtype=torch.float64, seed: int = 0):
 def minimax_documents(lengths: Sequence[int], seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, MINIMAX_VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
+# ------------------------------------------------------------------------------------- tiny Qwen3-Next
+QWEN3_NEXT_VOCAB = 64
+
+
+def tiny_qwen3_next(attn_implementation: str, dtype=torch.float64, seed: int = 0, **overrides):
+    """A 3-layer Qwen3-Next (gated DeltaNet, full attention, gated DeltaNet; conv kernel 4; 2 value heads per
+    key head; MoE with 2 experts, both used, plus the shared expert), random init, CPU; ``overrides``
+    replace config fields."""
+    from transformers import AutoModelForCausalLM, Qwen3NextConfig
+
+    fields = dict(
+        vocab_size=QWEN3_NEXT_VOCAB,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=6,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        num_experts=2,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        max_position_embeddings=4096,
+        use_cache=False,
+        initializer_range=0.2,
+    )
+    config = Qwen3NextConfig(**{**fields, **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(
+        config, attn_implementation=attn_implementation, experts_implementation="eager"
+    )
+    # slower decays than Qwen3-Next's init (A up to 16): the state keeps O(0.1) entries over tens of
+    # tokens, so the gated RMS norm of its read-out does not amplify float32 rounding
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(seed)
+        for layer in model.model.layers:
+            if hasattr(layer, "linear_attn"):
+                a_log = layer.linear_attn.A_log
+                a_log.copy_(torch.empty(a_log.shape).uniform_(0.02, 0.5, generator=gen).log())
+    return model.to(dtype)
+
+
+def qwen3_next_documents(lengths: Sequence[int], seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed + 1000)
+    return [torch.randint(0, QWEN3_NEXT_VOCAB, (n,), generator=gen).tolist() for n in lengths]

@@ -1,5 +1,6 @@
-"""recipes/hybrid_linear_loop.py under torchrun: MiniMax (lightning + softmax attention) trained on 2 CPU
-processes with documents cut across them equals 1 process, step by step (fp32, SGD, 2 micro-batches)."""
+"""recipes/hybrid_linear_loop.py under torchrun: MiniMax (lightning + softmax attention) and Qwen3-Next (gated
+DeltaNet + softmax attention) trained on 2 CPU processes with documents cut across them equal 1 process,
+step by step (fp32, SGD, 2 micro-batches)."""
 
 from __future__ import annotations
 
@@ -16,13 +17,14 @@ RECIPE = os.path.join(ROOT, "recipes", "hybrid_linear_loop.py")
 
 
 @pytest.mark.slow
-def test_all_scan_hybrid_recipe_exact_across_world_sizes(tmp_path):
+@pytest.mark.parametrize("arch", ["minimax", "qwen3-next"])
+def test_all_scan_hybrid_recipe_exact_across_world_sizes(tmp_path, arch):
     losses, outputs = {}, {}
     for world in (1, 2):
         out = tmp_path / f"losses{world}.json"
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-            RECIPE, "--tokens-per-rank", str(1024 // world), "--max-steps", "3", "--grad-accum", "2",
+            RECIPE, "--arch", arch, "--tokens-per-rank", str(1024 // world), "--max-steps", "3", "--grad-accum", "2",
             "--backend", "reference", "--losses-file", str(out),
         ]  # fmt: skip
         env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -34,6 +36,6 @@ def test_all_scan_hybrid_recipe_exact_across_world_sizes(tmp_path):
     for got, want in zip(losses[2], losses[1], strict=True):
         assert abs(got - want) <= TOL["train_loss"][0] * abs(want), (losses[2], losses[1])
     assert losses[1][-1] < losses[1][0]  # it trains
-    assert "3 lightning-attention layers on the all_scan scan, 2 rank(s)" in outputs[2]
+    assert "3 linear-attention layers on the all_scan scan, 2 rank(s)" in outputs[2]
     cut = [line for line in outputs[2].splitlines() if line.startswith("documents cut across ranks:")]
     assert cut and int(cut[0].split(":")[1]) > 0, outputs[2]  # the scan really carried states across ranks

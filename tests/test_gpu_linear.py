@@ -2,7 +2,9 @@
 the float64 per-token reference: outputs, final states and the gradients of q, k, v, beta, the per-token
 gates and the entering state, for every transition family the adapter maps (no decay, per-head constant, per-token scalar, per
 key-dim, delta rule, delta rule with per key-dim gates), three packed documents and a non-zero entering
-state (what All-Scan hands a piece). Skipped without CUDA or fla-core.
+state (what All-Scan hands a piece); and Qwen3-Next's replaced gated DeltaNet layer on the fla backend
+against the same layer on the float64 reference, with a document in three out-of-order pieces (state scan
+and conv halo inside one process). Skipped without CUDA or fla-core.
 """
 
 from __future__ import annotations
@@ -97,3 +99,36 @@ def test_fla_chunk_kernels_match_the_reference(kind):
     assert _rel(final, ref_final) <= rtol, ("final state", _rel(final, ref_final))
     for name, ref in ref_grads.items():
         assert _rel(grads[name], ref) <= rtol, (f"d{name}", _rel(grads[name], ref))
+
+
+def test_fla_qwen3_next_layer_matches_the_reference():
+    from all_scan_cases import tiny_qwen3_next
+
+    from hf_distca.data.loader import DistCALayout
+    from hf_distca.linear import LinearSPConfig
+    from hf_distca.linear.layers import enable_linear_attention_sp
+
+    pieces = ((0, 0, 60), (1, 0, 50), (0, 90, 40), (2, 0, 77), (0, 60, 30))  # document 0 in three pieces
+    layout = DistCALayout(pieces=pieces, all_pieces=(pieces,))
+    total, hidden_size = sum(n for _, _, n in pieces), 64
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, total, hidden_size, generator=gen, dtype=torch.float64)
+    weights = torch.randn(1, total, hidden_size, generator=gen, dtype=torch.float64)
+    results = {}
+    for backend, dtype in (("fla", torch.float32), ("reference", torch.float64)):
+        model = tiny_qwen3_next(
+            "sdpa", dtype=dtype, hidden_size=hidden_size, linear_key_head_dim=64, linear_value_head_dim=64
+        ).cuda()
+        enable_linear_attention_sp(model, config=LinearSPConfig(backend=backend))
+        layer = model.model.layers[0].linear_attn
+        x = hidden.to("cuda", dtype).requires_grad_(True)
+        out = layer(x, distca_layout=layout)
+        (out.double() * weights.cuda()).sum().backward()
+        results[backend] = {
+            "out": out.detach(),
+            "dx": x.grad,
+            **{n: p.grad for n, p in layer.named_parameters()},
+        }
+    rtol = TOL["gpu_linear"][0]
+    for name, ref in results["reference"].items():
+        assert _rel(results["fla"][name], ref) <= rtol, (name, _rel(results["fla"][name], ref))

@@ -25,6 +25,13 @@ TOL = {
     # float64 scan across pieces vs the per-token float64 oracle on uncut documents: the piece transition
     # is exp(sum of log decays) instead of a product of exps, and states are summed in another order
     "linear_fp64": (1e-10, 1e-10),
+    # a float64 Qwen3-Next cut across ranks vs the same replaced model on whole documents in one process:
+    # its RMS norms (and gated RMS norms) compute in float32 even in a float64 model, so float64 rounding
+    # differences upstream flip a float32 rounding now and then. Loss: relative (measured <= 2.3e-10 on 2
+    # and 4 ranks); parameter gradients: rtol and an absolute floor of this x max |reference| (measured
+    # max |diff| 2.6e-7 x max |reference|, on entries large enough for the rtol)
+    "fp32_norms_loss": (1e-9, 0.0),
+    "fp32_norms_grads": (1e-6, 1e-6),
     # ---- Transformers models (tiny fp32 models, initializer_range 0.2, documents <= 300 tokens)
     # distca vs SDPA per document, logits: same math, different kernels and summation order
     "logits": (1e-5, 1e-5),

@@ -4,6 +4,10 @@ Transformers has no registry for linear attention (``AttentionInterface`` only c
 so :func:`enable_linear_attention_sp` swaps each supported module instance of a model for a replacement
 that shares its parameters and buffers (same names: checkpoints load and save unchanged). Softmax layers
 are untouched: give them ``attn_implementation="distca"`` and :func:`hf_distca.enable_distca`.
+
+Supported: MiniMax (``MiniMaxLightningAttention``) and Qwen3-Next (``Qwen3NextGatedDeltaNet``; its decoder
+layer also gets a forward pre-hook that passes ``position_ids`` on to the replacement, see
+:func:`hf_distca.linear.layers.qwen3_next.pass_position_ids`).
 """
 
 from __future__ import annotations
@@ -12,15 +16,25 @@ from torch import nn
 
 from hf_distca.linear.config import LinearSPConfig
 from hf_distca.linear.layers.minimax import MiniMaxLightningAttentionSP
+from hf_distca.linear.layers.qwen3_next import Qwen3NextGatedDeltaNetSP, pass_position_ids
 
-__all__ = ["MiniMaxLightningAttentionSP", "enable_linear_attention_sp", "supported_linear_modules"]
+__all__ = [
+    "MiniMaxLightningAttentionSP",
+    "Qwen3NextGatedDeltaNetSP",
+    "enable_linear_attention_sp",
+    "supported_linear_modules",
+]
 
 
 def supported_linear_modules() -> dict[type, type]:
     """Transformers linear-attention classes that have a sequence-parallel replacement -> replacement."""
     from transformers.models.minimax.modeling_minimax import MiniMaxLightningAttention
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
-    return {MiniMaxLightningAttention: MiniMaxLightningAttentionSP}
+    return {
+        MiniMaxLightningAttention: MiniMaxLightningAttentionSP,
+        Qwen3NextGatedDeltaNet: Qwen3NextGatedDeltaNetSP,
+    }
 
 
 def enable_linear_attention_sp(model: nn.Module, *, group=None, config: LinearSPConfig | None = None) -> int:
@@ -35,17 +49,20 @@ def enable_linear_attention_sp(model: nn.Module, *, group=None, config: LinearSP
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, MiniMaxLightningAttentionSP):
+            if isinstance(child, tuple(replacements.values())):
                 child.linear_sp_group, child.linear_sp_config = group, config
                 count += 1
             elif type(child) in replacements:
-                setattr(parent, name, replacements[type(child)](child, group=group, config=config))
+                replacement = replacements[type(child)](child, group=group, config=config)
+                setattr(parent, name, replacement)
+                if isinstance(replacement, Qwen3NextGatedDeltaNetSP):
+                    pass_position_ids(parent)  # its decoder layer keeps position_ids to itself
                 count += 1
     if count == 0:
         names = ", ".join(cls.__name__ for cls in replacements)
         raise ValueError(
             f"{type(model).__name__} has no supported linear-attention module (supported: {names}); "
-            "hybrid models such as MiniMax (MiniMaxForCausalLM) are"
+            "hybrid models such as MiniMax (MiniMaxForCausalLM) and Qwen3-Next (Qwen3NextForCausalLM) are"
         )
     if getattr(model, "config", None) is not None:
         model.config.use_cache = False

@@ -1,6 +1,8 @@
-"""Operators of sequence-parallel linear attention: recurrences, local kernels, the cross-rank state scan."""
+"""Operators of sequence-parallel linear attention: recurrences, local kernels, the cross-rank state scan, and
+the short causal convolution of gated-DeltaNet layers with its cross-rank halo exchange."""
 
 from hf_distca.linear.ops.all_scan import SCAN_METHODS, scan_backward, scan_forward, scan_states
+from hf_distca.linear.ops.conv_halo import HaloPlan, build_halo_plan, causal_conv_pieces
 from hf_distca.linear.ops.fla_backend import fla_available, recurrence_fla
 from hf_distca.linear.ops.local import piece_transitions, recurrence, resolve_backend, state_contribution
 from hf_distca.linear.ops.recurrence import recurrence_reference, transition_kind
@@ -10,8 +12,11 @@ from hf_distca.linear.ops.sequence_parallel import linear_attention
 __all__ = [
     "SCAN_METHODS",
     "Edge",
+    "HaloPlan",
     "ScanPlan",
+    "build_halo_plan",
     "build_scan_plan",
+    "causal_conv_pieces",
     "chains_of",
     "fla_available",
     "linear_attention",
