@@ -303,6 +303,9 @@ class _Balancer:
         self, index: DocIndex, cost, config: DistCAConfig, link: LinkModel | None, q_row: int, kv_row: int
     ):
         self.index, self.cost, self.config, self.link = index, cost, config, link
+        # causal pairs add up over any split of a task: a move changes src and dst by the moved shard's
+        # cost; other models (measured time) price a server's merged intervals, see _load_changes
+        self.additive = isinstance(cost, CausalPairsCost)
         self.q_row, self.kv_row = q_row, kv_row
         world = index.world_size
         # per document, (start, end, holder) of its runs in position order
@@ -398,6 +401,32 @@ class _Balancer:
                     self._add(changes, h, src.rank, KV_OUT, KV_IN, -n * self.kv_row)
         return changes
 
+    def _load_changes(self, src: _Server, dst: _Server, doc: int, x: int, y: int) -> tuple[float, float]:
+        """(how much src's load drops, how much dst's rises) when queries [x, y) of ``doc`` move: the
+        shard's cost for causal pairs; for other cost models the exact change of each server's load, whose
+        tasks are its merged intervals (cutting an interval or joining two changes their measured time)."""
+        cost = self.cost
+        if self.additive:
+            c = cost.task_cost(x, y)
+            return c, c
+        for a, b in src.intervals[doc]:
+            if a <= x and y <= b:
+                break
+        else:
+            raise AssertionError(f"planner bug: [{x}, {y}) of doc {doc} not on server {src.rank}")
+        drop = (
+            cost.task_cost(a, b)
+            - (cost.task_cost(a, x) if x > a else 0.0)
+            - (cost.task_cost(y, b) if b > y else 0.0)
+        )
+        lo, hi, joined = x, y, 0.0
+        for a, b in dst.intervals.get(doc, ()):
+            if b == x:
+                lo, joined = a, joined + cost.task_cost(a, b)
+            elif a == y:
+                hi, joined = b, joined + cost.task_cost(a, b)
+        return drop, cost.task_cost(lo, hi) - joined
+
     def critical_path(self) -> float:
         return self.link.critical_path(float(self.loads.max()) if self.loads.size else 0.0, self.comm[-1])
 
@@ -420,12 +449,13 @@ class _Balancer:
             if changes is None:
                 changes = self.changes_of(src, dst, move.doc, move.a, move.b)
             self.traffic.apply(changes)
+        src_drop, dst_rise = self._load_changes(src, dst, move.doc, move.a, move.b)
         src.remove(move.doc, move.a, move.b)
-        src.load -= move.cost
+        src.load -= src_drop
         if move.doc not in src.intervals:
             self.serving[move.doc].discard(src.rank)
         dst.add(move.doc, move.a, move.b)
-        dst.load += move.cost
+        dst.load += dst_rise
         self.loads[src.rank], self.loads[dst.rank] = src.load, dst.load
         dst.recv_bytes += move.bytes_in
         self.serving[move.doc].add(dst.rank)
@@ -588,8 +618,12 @@ class _Balancer:
         """Moving queries [x, y) of ``doc`` (cost ``c``) from src to dst, priced and scored; None when it is
         not allowed (or does not lower max(src, dst)), with whether its price or the send bound turned it
         down."""
-        if c <= 0 or dst.load + c >= src.load:
+        if c <= 0:
             return None, False
+        src_drop, dst_rise = (c, c) if self.additive else self._load_changes(src, dst, doc, x, y)
+        if src_drop <= 0 or dst.load + dst_rise >= src.load:
+            return None, False
+        c = src_drop
         q_row, kv_row = self.q_row, self.kv_row
         have = dst.kv_need.get(doc, 0)
         q_in = sum(n for h, n in self.segments(doc, x, y) if h != dst.rank)  # rows dst lacks
@@ -603,7 +637,7 @@ class _Balancer:
             return _Move(doc, x, y, c, bytes_in, c / (comm + 1.0)), False
         changes = self.changes_of(src, dst, doc, x, y)
         exposed = self._exposed_increase(changes)
-        relief = src.load - max(src.load - c, dst.load + c)  # how much max(src, dst) drops
+        relief = src.load - max(src.load - c, dst.load + dst_rise)  # how much max(src, dst) drops
         if exposed is None or exposed >= relief:
             return None, True
         # the balance-only planner's cost per byte, net of the exposed transfer time the move adds
