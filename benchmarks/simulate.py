@@ -136,7 +136,7 @@ class System:
 
 SYSTEM_SPECS = {
     "hf-default": System("hf-default", "hf-default", False, False),
-    "exact-unbalanced": System("exact-unbalanced", "distca", True, False),
+    "exact-unbalanced": System("exact-unbalanced", "tokens", True, False),
     "balanced": System("balanced", "balanced", True, False),
     "distca": System("distca", "distca", True, True),
     "distca-comm": System("distca-comm", "distca", True, True, comm_aware=True),

@@ -68,8 +68,8 @@ class DistCACallback(TrainerCallback):
             plain checkpointing does (for comparison). Default False: rematerialization-aware
             checkpointing keeps each layer's attention output and log-sum-exp instead
             (:mod:`hf_distca.checkpointing`).
-        layout: places each micro-batch's documents on the ranks (default: the rebatcher's
-            ``hf_distca.data.layout_pieces``); benchmarks pass the baselines of
+        layout: places each micro-batch's documents on the ranks (default: the cost-balanced
+            ``hf_distca.data.layout_balanced``); benchmarks pass the baselines of
             :mod:`hf_distca.data.baselines`.
     """
 

@@ -108,9 +108,11 @@ def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
         "--layout",
         choices=sorted(LAYOUTS),
         default="distca",
-        help="how each global micro-batch is laid out over the ranks: distca (the rebatcher, default), "
-        "hf-default (each rank packs whole documents in order; run with --attn local) or balanced "
-        "(WLB-LLM-style balanced packing; run with --max-planner-moves 0); see hf_distca.data.baselines",
+        help="how each global micro-batch is laid out over the ranks: distca (default: cost-balanced packing, "
+        "hf_distca.data.layout_balanced), tokens (the token-only rebatcher, layout_pieces; the exact-unbalanced "
+        "baseline with --max-planner-moves 0), hf-default (each rank packs whole documents in order; run with "
+        "--attn local) or balanced (the same layout as distca; run with --max-planner-moves 0 as the "
+        "WLB-LLM-style baseline); see hf_distca.data.baselines",
     )
     p.add_argument(
         "--liger",

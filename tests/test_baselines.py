@@ -82,7 +82,8 @@ def test_balanced_places_whole_documents_on_the_cheapest_rank():
 @pytest.mark.parametrize("world", [2, 8])
 def test_balanced_beats_hf_default_and_the_rebatcher_on_skewed_batches(world):
     """Max over ranks of attention pairs (full context): a long-tailed batch where one document
-    dominates; the rebatcher (equal tokens, longest first) and HF default leave it on one rank."""
+    dominates; the token-only rebatcher (equal tokens, longest first) and HF default leave it on one
+    rank. DistCA's default layout is the balanced one."""
     tokens = 4096
     lengths = [3500] + [256] * ((world * tokens - 3500) // 256)
     worst = {}
@@ -90,7 +91,8 @@ def test_balanced_beats_hf_default_and_the_rebatcher_on_skewed_batches(world):
         pieces = layout(lengths, world_size=world, tokens_per_rank=tokens)
         plan = plan_core_attention(pieces, q_row_bytes=1, kv_row_bytes=1)
         worst[name] = max(plan.load_before)  # every rank's own pieces with their full context
-    assert worst["balanced"] < worst["distca"] and worst["balanced"] < worst["hf-default"]
+    assert worst["balanced"] < worst["tokens"] and worst["balanced"] < worst["hf-default"]
+    assert worst["distca"] == worst["balanced"] and LAYOUTS["distca"] is balanced_layout
     assert worst["hf-default"] >= causal_pairs(0, 3500)
 
 
