@@ -395,7 +395,11 @@ def simulate_micro_batch(
     system: System, lengths: Sequence[int], s: Setting, tolerance: float | None = None
 ) -> MicroBatch:
     """One micro-batch of ``system``; ``tolerance``: the planner's (default DistCAConfig's)."""
-    pieces = LAYOUTS[system.layout](lengths, world_size=s.world, tokens_per_rank=s.tokens_per_rank)
+    config = planner_config(system, s, tolerance)
+    layout = LAYOUTS[system.layout]
+    if system.layout == "distca":  # as DistCACallback's default: cut documents inside a node when it is known
+        layout = functools.partial(layout, ranks_per_node=config.ranks_per_node)
+    pieces = layout(lengths, world_size=s.world, tokens_per_rank=s.tokens_per_rank)
     forwards_again = 1 if s.recompute == "full" else 0  # plain recompute runs the forward a second time
 
     def seconds(q_len: int, kv_len: int) -> float:
@@ -411,7 +415,7 @@ def simulate_micro_batch(
         pieces,
         q_row_bytes=s.model.q_row_bytes,
         kv_row_bytes=s.model.kv_row_bytes,
-        config=planner_config(system, s, tolerance),
+        config=config,
         flops_per_pair=attention_flops_per_pair(s.model.heads, s.model.head_dim),
     )
     attention = np.array([sum(seconds(t.q_len, t.q_end) for t in tasks) for tasks in plan.tasks]) * layers

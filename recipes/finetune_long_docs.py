@@ -399,7 +399,8 @@ def prepare(args, training_args):
         disaggregate=args.attn == "distca",
         pad_token_id=(tokenizer.pad_token_id if tokenizer is not None else None) or 0,
         recompute_attention=args.recompute_attention,
-        layout=LAYOUTS[args.layout],
+        # distca: the callback's default, cost-balanced and node-aware when the config names nodes
+        layout=None if args.layout == "distca" else LAYOUTS[args.layout],
     )
     return tokenizer, documents, model, callback
 

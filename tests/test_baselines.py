@@ -106,3 +106,21 @@ def test_layout_errors():
             layout([1], world_size=0, tokens_per_rank=100)
     with pytest.raises(ValueError, match="linear_pairs_per_token must be >= 0"):
         balanced_layout([1], world_size=1, tokens_per_rank=100, linear_pairs_per_token=-1.0)
+
+
+def test_balanced_cuts_a_document_inside_one_node_when_nodes_are_known():
+    # three 300-token documents (each cut over 3 ranks for its attention) and short ones on 8 ranks x
+    # 200 in nodes of 4: without nodes two of them straddle nodes; with ranks_per_node=4 each stays in
+    # one node, and the layout keeps the rebatcher's invariants
+    lengths = [300, 300, 300] + [25] * 28
+    world, tokens = 8, 200
+
+    def holders(pieces, doc):
+        return sorted({r for r, rank in enumerate(pieces) for p in rank if p.doc_id == doc})
+
+    plain = balanced_layout(lengths, world_size=world, tokens_per_rank=tokens)
+    assert [holders(plain, doc) for doc in range(3)] == [[0, 1, 2], [3, 4, 5], [0, 6, 7]]
+    local = balanced_layout(lengths, world_size=world, tokens_per_rank=tokens, ranks_per_node=4)
+    assert [holders(local, doc) for doc in range(3)] == [[0, 1, 2], [4, 5, 6], [0, 1, 3]]
+    docs = [list(range(n)) for n in lengths]
+    check_layout(docs, world, tokens, layout=lambda *a, **k: balanced_layout(*a, **k, ranks_per_node=4))

@@ -184,6 +184,7 @@ def layout_balanced(
     tokens_per_rank: int,
     min_piece_tokens: int = 1,
     linear_pairs_per_token: float = LINEAR_PAIRS_PER_TOKEN,
+    ranks_per_node: int | None = None,
 ) -> list[tuple[Piece, ...]]:
     """Balanced packing with per-document context parallelism (WLB-LLM style).
 
@@ -200,6 +201,10 @@ def layout_balanced(
     - Any other document goes whole to the rank with the least estimated cost among those with room
       for it (ties: most room, then lower rank); when none has room it is split as above over two or
       more ranks.
+    - ``ranks_per_node`` (ranks [k n, (k + 1) n) share node k, as ``DistCAConfig.ranks_per_node``): a
+      document cut over at most that many ranks is cut over ranks of one node, the one whose ``k``
+      least loaded ranks carry the least load among nodes with room for it, so that its pieces read
+      each other's KV over the node's fast links. None: nodes are not known.
 
     Ranks hold at most ``tokens_per_rank`` tokens, the memory budget every system gets; the global
     micro-batch nearly fills it, so the balance comes from which documents go where and from the
@@ -234,6 +239,8 @@ def layout_balanced(
                 continue
             k = 2  # no rank has room for it whole
         by_load = sorted((r for r in range(world_size) if free[r] > 0), key=lambda r: (load[r], -free[r], r))
+        if ranks_per_node is not None and k <= ranks_per_node < world_size:
+            by_load = _one_node(by_load, k, length, free, load, ranks_per_node) or by_load
         ranks = by_load[:k]
         for r in by_load[k:]:
             if sum(free[x] for x in ranks) >= length:
@@ -245,6 +252,25 @@ def layout_balanced(
             free[rank] -= n
             load[rank] += cost(doc_start, doc_start + n)
     return _finish(placed, free, len(lengths))
+
+
+def _one_node(
+    by_load: list[int], k: int, length: int, free: list[int], load: list[float], ranks_per_node: int
+) -> list[int] | None:
+    """The ranks of one node (least loaded first) to cut a document over: the node whose ``k`` least
+    loaded ranks carry the least load among nodes with room for the whole document; None if none has.
+    A cut document's pieces then read each other's KV over the node's fast links."""
+    best, best_key = None, None
+    nodes: dict[int, list[int]] = {}
+    for r in by_load:
+        nodes.setdefault(r // ranks_per_node, []).append(r)
+    for node, members in nodes.items():
+        if sum(free[r] for r in members) < length:
+            continue
+        key = (sum(load[r] for r in members[:k]), node)
+        if best_key is None or key < best_key:
+            best, best_key = members, key
+    return best
 
 
 def layout_micro_batch(
