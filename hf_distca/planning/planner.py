@@ -47,6 +47,7 @@ from hf_distca.planning.links import (
     LinkModel,
     link_model_from_config,
     plan_critical_path,
+    plan_rows,
 )
 from hf_distca.planning.pieces import DocIndex
 
@@ -312,6 +313,7 @@ class _Balancer:
         self.runs = {
             doc: [(h.doc_start, h.doc_end, h.rank) for h in hs] for doc, hs in index.holdings.items()
         }
+        self.run_ends = {doc: [b for _, b, _ in runs] for doc, runs in self.runs.items()}  # for bisect
         self.servers = [_Server(r) for r in range(world)]
         self.serving: dict[int, set[int]] = {}  # doc -> servers with tasks of it
         self._owned: set[int] | None = None  # clones: the servers copied from the origin (None: all own)
@@ -355,9 +357,9 @@ class _Balancer:
     def segments(self, doc: int, start: int, end: int) -> list[tuple[int, int]]:
         """(holder, rows) of doc positions [start, end), in position order."""
         out = []
-        for a, b, rank in self.runs[doc]:
-            if b <= start:
-                continue
+        runs = self.runs[doc]
+        for i in range(bisect.bisect_right(self.run_ends[doc], start), len(runs)):
+            a, b, rank = runs[i]  # the first run ending after start, then on
             if a >= end:
                 break
             out.append((rank, min(end, b) - max(start, a)))
@@ -844,22 +846,23 @@ def _candidate_ranges(a: int, b: int, want: float, g: int, cost) -> list[tuple[i
 def _traffic(plan: CorePlan) -> tuple[list[int], list[int]]:
     """Bytes each rank sends and receives in one forward call of the engine under ``plan``."""
     world = plan.world_size
-    sent = [0] * world
-    recv = [0] * world
-    index = plan.index
-    for server in range(world):
-        for t in plan.tasks[server]:
-            for holder, _, n in index.segments(t.doc_id, t.q_start, t.q_end):
-                if holder != server:
-                    b = n * plan.q_row_bytes
-                    sent[holder] += b  # Q out
-                    recv[server] += b
-                    sent[server] += b  # output back
-                    recv[holder] += b
-        for doc, prefix in plan.kv_prefix[server].items():
-            for holder, _, n in index.segments(doc, 0, prefix):
-                if holder != server:
-                    b = n * plan.kv_row_bytes
-                    sent[holder] += b
-                    recv[server] += b
-    return sent, recv
+    (q_holder, q_server, q_rows), (kv_holder, kv_server, kv_rows) = plan_rows(plan)
+    q_bytes = q_rows * plan.q_row_bytes  # Q out to the server, the output back to the holder
+    kv_bytes = kv_rows * plan.kv_row_bytes
+    sent = (
+        _summed(q_holder, q_bytes, world)
+        + _summed(q_server, q_bytes, world)
+        + _summed(kv_holder, kv_bytes, world)
+    )
+    recv = (
+        _summed(q_server, q_bytes, world)
+        + _summed(q_holder, q_bytes, world)
+        + _summed(kv_server, kv_bytes, world)
+    )
+    return [int(x) for x in sent], [int(x) for x in recv]
+
+
+def _summed(ranks: np.ndarray, values: np.ndarray, world: int) -> np.ndarray:
+    out = np.zeros(world, dtype=np.int64)
+    np.add.at(out, ranks, values)
+    return out
