@@ -314,6 +314,10 @@ class _Balancer:
             doc: [(h.doc_start, h.doc_end, h.rank) for h in hs] for doc, hs in index.holdings.items()
         }
         self.run_ends = {doc: [b for _, b, _ in runs] for doc, runs in self.runs.items()}  # for bisect
+        self.held: dict[int, dict[int, list[tuple[int, int]]]] = {}  # doc -> rank -> its runs (a, b)
+        for doc, runs in self.runs.items():
+            for a, b, rank in runs:
+                self.held.setdefault(doc, {}).setdefault(rank, []).append((a, b))
         self.servers = [_Server(r) for r in range(world)]
         self.serving: dict[int, set[int]] = {}  # doc -> servers with tasks of it
         self._owned: set[int] | None = None  # clones: the servers copied from the origin (None: all own)
@@ -329,17 +333,36 @@ class _Balancer:
         self.traffic = None
         if link is not None or config.max_send_bytes_per_rank is not None:
             self.traffic = _Traffic(link or _FREE_LINKS, world)
-            initial: Changes = {}
-            for s in self.servers:
-                for doc in s.intervals:
-                    for h, n in self.segments(doc, 0, s.need(doc)):
-                        if h != s.rank:
-                            self._add(initial, h, s.rank, KV_OUT, KV_IN, n * kv_row)
-            self.traffic.apply(initial)
+            self.traffic.apply(self._initial_traffic())
         self.moves: list[_Move] = []
         # priced: the all-to-all seconds and the critical path after 0, 1, ... moves
         self.comm: list[float] = [self.traffic.now] if link is not None else []
         self.path: list[float] = [self.critical_path()] if link is not None else []
+
+    def _initial_traffic(self) -> Changes:
+        """Bytes of the start (every server its own pieces): each server's KV prefixes from their holders."""
+        docs, ends, servers = [], [], []
+        for s in self.servers:
+            for doc in s.intervals:
+                docs.append(doc)
+                ends.append(s.need(doc))
+                servers.append(s.rank)
+        request, holder, rows = self.index.segment_rows(docs, [0] * len(docs), ends)
+        server = np.asarray(servers, dtype=np.int64)[request]
+        remote = holder != server
+        holder, server, kv_bytes = holder[remote], server[remote], rows[remote] * self.kv_row
+        per = self.link.ranks_per_node if self.link is not None else None
+        if per is None:
+            link_class = np.full(holder.shape, INTER)
+        else:
+            link_class = np.where(holder // per == server // per, INTRA, INTER)
+        total = np.zeros((self.index.world_size, 2, 4))  # rank x link class x column
+        np.add.at(total, (holder, link_class, KV_OUT), kv_bytes)
+        np.add.at(total, (server, link_class, KV_IN), kv_bytes)
+        return {
+            int(r): [total[r, INTRA].tolist(), total[r, INTER].tolist()]
+            for r in np.flatnonzero(total.any(axis=(1, 2)))
+        }
 
     def clone(self) -> _Balancer:
         """An independent copy of this state (planning again from the same start)."""
@@ -364,6 +387,10 @@ class _Balancer:
                 break
             out.append((rank, min(end, b) - max(start, a)))
         return out
+
+    def rows_held(self, rank: int, doc: int, start: int, end: int) -> int:
+        """How many of doc positions [start, end) ``rank`` holds (its own runs: one or two, usually)."""
+        return sum(max(0, min(end, b) - max(start, a)) for a, b in self.held[doc].get(rank, ()))
 
     def node(self, rank: int) -> int:
         per = self.link.ranks_per_node if self.link is not None else None
@@ -628,8 +655,8 @@ class _Balancer:
         c = src_drop
         q_row, kv_row = self.q_row, self.kv_row
         have = dst.kv_need.get(doc, 0)
-        q_in = sum(n for h, n in self.segments(doc, x, y) if h != dst.rank)  # rows dst lacks
-        kv_in = sum(n for h, n in self.segments(doc, have, y) if h != dst.rank) if y > have else 0
+        q_in = (y - x) - self.rows_held(dst.rank, doc, x, y)  # rows dst lacks
+        kv_in = (y - have) - self.rows_held(dst.rank, doc, have, y) if y > have else 0
         bytes_in = q_in * q_row + kv_in * kv_row
         bound = self.config.max_recv_bytes_per_server
         if bound is not None and dst.recv_bytes + bytes_in > bound:
