@@ -150,6 +150,14 @@ def link_model_from_config(config: Any, cost_model: Any, flops_per_pair: float |
     )
 
 
+def add_bytes(
+    table: np.ndarray, ranks: np.ndarray, link_class: np.ndarray, column: int, nbytes: np.ndarray
+) -> None:
+    """``table[rank, link class, column] += bytes`` for every entry (repeats add up): a (ranks, 2, 4) table."""
+    flat = (ranks * 2 + link_class) * 4 + column
+    table += np.bincount(flat, weights=nbytes, minlength=table.size).reshape(table.shape)
+
+
 def plan_rows(plan: Any) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
     """The rows a :class:`~hf_distca.planning.CorePlan` moves in one forward dispatch, as (holder, server, rows) arrays with holder !=
     server: query rows of every task, and KV-prefix rows of every server's prefixes (each once)."""
@@ -189,8 +197,8 @@ def plan_traffic(plan: Any, link: LinkModel) -> np.ndarray:
         else:
             same = holder // link.ranks_per_node == server // link.ranks_per_node
             link_class = np.where(same, INTRA, INTER)
-        np.add.at(traffic, (holder, link_class, out_col), n * row_bytes)
-        np.add.at(traffic, (server, link_class, in_col), n * row_bytes)
+        add_bytes(traffic, holder, link_class, out_col, n * row_bytes)
+        add_bytes(traffic, server, link_class, in_col, n * row_bytes)
     return traffic
 
 

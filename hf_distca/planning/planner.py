@@ -45,6 +45,7 @@ from hf_distca.planning.links import (
     Q_IN,
     Q_OUT,
     LinkModel,
+    add_bytes,
     link_model_from_config,
     plan_critical_path,
     plan_rows,
@@ -357,8 +358,8 @@ class _Balancer:
         else:
             link_class = np.where(holder // per == server // per, INTRA, INTER)
         total = np.zeros((self.index.world_size, 2, 4))  # rank x link class x column
-        np.add.at(total, (holder, link_class, KV_OUT), kv_bytes)
-        np.add.at(total, (server, link_class, KV_IN), kv_bytes)
+        add_bytes(total, holder, link_class, KV_OUT, kv_bytes)
+        add_bytes(total, server, link_class, KV_IN, kv_bytes)
         return {
             int(r): [total[r, INTRA].tolist(), total[r, INTER].tolist()]
             for r in np.flatnonzero(total.any(axis=(1, 2)))
@@ -890,6 +891,4 @@ def _traffic(plan: CorePlan) -> tuple[list[int], list[int]]:
 
 
 def _summed(ranks: np.ndarray, values: np.ndarray, world: int) -> np.ndarray:
-    out = np.zeros(world, dtype=np.int64)
-    np.add.at(out, ranks, values)
-    return out
+    return np.bincount(ranks, weights=values, minlength=world).astype(np.int64)
