@@ -205,6 +205,7 @@ class _Traffic:
         self.world = world
         self.inverse = tuple(float(x) for x in link.inverse_bandwidth)
         self.bytes = [[[0.0] * 4 for _ in range(2)] for _ in range(world)]
+        self.array = np.zeros((world, 2, 4))  # the same bytes, for pricing moves that touch many ranks
         self.phase = np.zeros((world, 3))
         self.top: list[list[tuple[float, int]]] = [[] for _ in range(3)]
         self.now = 0.0  # comm_seconds() of the current bytes
@@ -213,6 +214,7 @@ class _Traffic:
         other = object.__new__(_Traffic)
         other.link, other.world, other.inverse = self.link, self.world, self.inverse
         other.bytes = list(self.bytes)  # apply() replaces a rank's rows, never edits them
+        other.array = self.array.copy()
         other.phase = self.phase.copy()
         other.top = [list(t) for t in self.top]
         other.now = self.now
@@ -268,9 +270,54 @@ class _Traffic:
             total += weight * max(slowest, rest or 0.0)
         return total
 
+    MANY = 24
+    """Moves touching at least this many ranks are priced with arrays (:meth:`exposed_many`)."""
+
+    def exposed_many(self, changes: Changes, bound: float | None) -> float | None:
+        """comm_seconds() with ``changes`` applied minus now, computed on arrays with the same arithmetic as
+        :meth:`after`, :meth:`sent`, :meth:`rank_phases` and :meth:`comm_seconds`; None when a rank would
+        go over the send bound ``bound``."""
+        ranks = list(changes)
+        rows = np.array(ranks, dtype=np.int64)
+        old = self.array[rows]  # (k, 2, 4)
+        new = old + np.array([changes[r] for r in ranks], dtype=np.float64)
+        if bound is not None:
+            sent_new, sent_old = (
+                b[:, INTRA, Q_OUT] + b[:, INTRA, KV_OUT] + b[:, INTRA, Q_IN] + b[:, INTER, Q_OUT]
+                + b[:, INTER, KV_OUT] + b[:, INTER, Q_IN]
+                for b in (new, old)
+            )  # fmt: skip
+            if np.any((sent_new > bound) & (sent_new > sent_old)):
+                return None
+        phases = np.zeros((len(ranks), 3))
+        for c in (INTRA, INTER):
+            w = self.inverse[c]
+            if w == 0.0:
+                continue
+            q_out, kv_out, q_in, kv_in = (new[:, c, j] for j in range(4))
+            phases[:, 0] = np.maximum(phases[:, 0], np.maximum(q_out + kv_out, q_in + kv_in) * w)
+            phases[:, 1] = np.maximum(phases[:, 1], np.maximum(q_in, q_out) * w)
+            phases[:, 2] = np.maximum(phases[:, 2], np.maximum(3 * q_out + kv_out, 3 * q_in + kv_in) * w)
+        touched = set(ranks)
+        total = 0.0
+        for p, weight in ((0, 2.0), (1, 1.0), (2, 1.0)):
+            slowest = float(phases[:, p].max())
+            rest = None
+            for value, r in self.top[p]:
+                if r not in touched:
+                    rest = value
+                    break
+            if rest is None and len(self.top[p]) < self.world:  # every kept rank is touched: look at all
+                mask = np.ones(self.world, dtype=bool)
+                mask[rows] = False
+                rest = float(self.phase[mask, p].max()) if mask.any() else 0.0
+            total += weight * max(slowest, rest or 0.0)
+        return total - self.now
+
     def apply(self, changes: Changes) -> None:
         for r, b in self.after(changes).items():
             self.bytes[r] = b
+            self.array[r] = b
             self.phase[r] = self.rank_phases(b)
         self._refresh_top()
         self.now = self.comm_seconds()
@@ -678,8 +725,15 @@ class _Balancer:
         """Exposed transfer time ``changes`` add to the step, in cost units; None when a rank would go over
         the send bound."""
         traffic = self.traffic
-        after = traffic.after(changes)
         bound = self.config.max_send_bytes_per_rank
+        if len(changes) >= traffic.MANY:
+            added = traffic.exposed_many(changes, bound)
+            if added is None:
+                return None
+            if self.link is None:
+                return 0.0
+            return (1.0 - self.link.overlap) * added / self.link.seconds_per_cost_unit
+        after = traffic.after(changes)
         if bound is not None:
             for r, b in after.items():
                 sent = traffic.sent(b)
