@@ -11,7 +11,8 @@ the pieces recorded here. Two placements:
   of WLB-LLM). The layout is then already close to balanced, so the planner moves little and long
   documents' KV prefixes are spread over several holders instead of one (in the simulator,
   benchmarks/simulate.py, this cut DistCA's exposed all-to-all time 1.4-3x on one node of 8 GPUs and
-  up to 11x across nodes, where one holder's NIC carried every copy of a long document's prefix).
+  1.7-21x across nodes with the balance-only planner, where one holder's NIC carried every copy of a
+  long document's prefix).
 - :func:`layout_pieces` (token-only: the exact-unbalanced baseline), documents taken longest first
   (ties: lower index first): a document that fits whole on the rank with the most free space (ties:
   lower rank) goes there; otherwise it is cut over the fewest ranks that can hold it, taken by most
