@@ -7,16 +7,17 @@ bandwidth per GPU) and prices every rank's work:
 - systems (how each is run through recipes/finetune_long_docs.py is in benchmarks/suite.py):
   ``hf-default`` (hf_distca.data.baselines.hf_default_layout, attention local to each piece: documents
   longer than a rank's budget become independent chunks, the math differs), ``exact-unbalanced`` (the
-  rebatcher's layout, DistCA's engine with balancing off, ``DistCAConfig(max_planner_moves=0)``: each
-  rank computes its own pieces, fetching the KV prefix of pieces cut over ranks), ``balanced``
-  (WLB-LLM-style balanced packing, hf_distca.data.baselines.balanced_layout, run like
-  exact-unbalanced), ``distca`` (the rebatcher's layout and the real planner,
-  ``hf_distca.plan_core_attention``, ``--tolerance``, default 0.1, balancing compute only),
-  ``distca-comm`` (the same planner pricing communication on the simulated links: ``DistCAConfig(
-  link_gib_per_s=--inter-node-gibps, ranks_per_node=--gpus-per-node, intra_node_gib_per_s=the intra-node
-  all-to-all at 256 MiB per rank)``, see :func:`planner_config`) and ``distca-pingpong`` (a
-  projection: distca with each micro-batch's communication hidden under its compute as far as that
-  lasts, which ping-pong nano-batches would do; hf_distca does not implement it).
+  token-only rebatcher layout, hf_distca.data.layout_pieces, DistCA's engine with balancing off,
+  ``DistCAConfig(max_planner_moves=0)``: each rank computes its own pieces, fetching the KV prefix of
+  pieces cut over ranks), ``balanced`` (WLB-LLM-style balanced packing, hf_distca.data.layout_balanced,
+  run like exact-unbalanced: DistCA's layout without its planner), ``distca`` (DistCA's default: the
+  balanced layout and the real planner, ``hf_distca.plan_core_attention``, ``--tolerance``, default
+  0.1, balancing compute only), ``distca-comm`` (the same planner pricing communication on the simulated
+  links: ``DistCAConfig(link_gib_per_s=--inter-node-gibps, ranks_per_node=--gpus-per-node,
+  intra_node_gib_per_s=the intra-node all-to-all at 256 MiB per rank)``, see :func:`planner_config`,
+  and the layout DistCACallback builds from that config: documents cut inside one node) and
+  ``distca-pingpong`` (a projection: distca with each micro-batch's communication hidden under its
+  compute as far as that lasts, which ping-pong nano-batches would do; hf_distca does not implement it).
 - core attention: every CA-task (queries [a, b) of a document over keys [0, b)) costs its causal
   (query, key) pairs over the measured rate of its shape, per layer: forward + backward (the
   ``remat`` recompute mode, rematerialization-aware checkpointing: attention is not run again) or
@@ -136,7 +137,7 @@ class System:
 
 SYSTEM_SPECS = {
     "hf-default": System("hf-default", "hf-default", False, False),
-    "exact-unbalanced": System("exact-unbalanced", "distca", True, False),
+    "exact-unbalanced": System("exact-unbalanced", "tokens", True, False),
     "balanced": System("balanced", "balanced", True, False),
     "distca": System("distca", "distca", True, True),
     "distca-comm": System("distca-comm", "distca", True, True, comm_aware=True),
@@ -395,7 +396,11 @@ def simulate_micro_batch(
     system: System, lengths: Sequence[int], s: Setting, tolerance: float | None = None
 ) -> MicroBatch:
     """One micro-batch of ``system``; ``tolerance``: the planner's (default DistCAConfig's)."""
-    pieces = LAYOUTS[system.layout](lengths, world_size=s.world, tokens_per_rank=s.tokens_per_rank)
+    config = planner_config(system, s, tolerance)
+    layout = LAYOUTS[system.layout]
+    if system.layout == "distca":  # as DistCACallback's default: cut documents inside a node when it is known
+        layout = functools.partial(layout, ranks_per_node=config.ranks_per_node)
+    pieces = layout(lengths, world_size=s.world, tokens_per_rank=s.tokens_per_rank)
     forwards_again = 1 if s.recompute == "full" else 0  # plain recompute runs the forward a second time
 
     def seconds(q_len: int, kv_len: int) -> float:
@@ -411,9 +416,27 @@ def simulate_micro_batch(
         pieces,
         q_row_bytes=s.model.q_row_bytes,
         kv_row_bytes=s.model.kv_row_bytes,
-        config=planner_config(system, s, tolerance),
+        config=config,
         flops_per_pair=attention_flops_per_pair(s.model.heads, s.model.head_dim),
     )
+    return price_plan(plan, s)
+
+
+def price_plan(plan, s: Setting) -> MicroBatch:
+    """One micro-batch run through DistCA's engine under ``plan`` (of the layout's pieces, whatever the
+    planner's config): per-rank linear and core-attention seconds, and the all-to-all phases."""
+    forwards_again = 1 if s.recompute == "full" else 0
+
+    def seconds(q_len: int, kv_len: int) -> float:
+        fwd, fwd_bwd = s.kernels.task_seconds(q_len, kv_len)
+        return fwd_bwd + forwards_again * fwd
+
+    layers = s.model.layers
+    tokens = np.zeros(plan.world_size)
+    for holding in plan.index.holdings.values():
+        for h in holding:
+            tokens[h.rank] += h.doc_end - h.doc_start
+    linear = np.array([s.linear.seconds(int(n), layers) for n in tokens])
     attention = np.array([sum(seconds(t.q_len, t.q_end) for t in tasks) for tasks in plan.tasks]) * layers
     q, kv = traffic(plan, s.model.q_row_bytes, s.model.kv_row_bytes)
     layer_phases = phases(q, kv, s.recompute)
@@ -622,11 +645,13 @@ def write_report(rows: list[Row], info: dict, args, command: str) -> str:
         "",
         "Systems: hf-default (each rank packs whole documents in order, attention local to each piece; "
         "documents longer than the budget become independent chunks: **the math differs**), "
-        "exact-unbalanced (rebatcher layout, DistCA engine with balancing off: max_planner_moves=0), balanced (WLB-LLM-style "
-        "balanced packing with per-document context parallelism, exact), distca (rebatcher layout, "
-        f"planner tolerance {args.tolerance:g}, balancing compute only), distca-comm (the same with "
-        "communication-aware planning: each move priced by the compute time it saves against the transfer "
-        "time it adds on the simulated links), distca-pingpong (**a projection of a feature hf_distca does not have "
+        "exact-unbalanced (the token-only rebatcher layout, layout_pieces, DistCA engine with balancing off: "
+        "max_planner_moves=0), balanced (WLB-LLM-style balanced packing with per-document context "
+        "parallelism, layout_balanced, exact, planner off), distca (DistCA's default: the same balanced "
+        f"layout and the planner, tolerance {args.tolerance:g}, balancing compute only), distca-comm (the "
+        "same with communication-aware planning: each move priced by the compute time it saves against the "
+        "transfer time it adds on the simulated links; its layout cuts documents inside one node), "
+        "distca-pingpong (**a projection of a feature hf_distca does not have "
         "yet**: distca's plans with each micro-batch's communication hidden under its compute as far as "
         "the compute lasts, as ping-pong nano-batches would). Ideal: the exact computation perfectly "
         "balanced with no exposed "
@@ -656,7 +681,8 @@ def write_report(rows: list[Row], info: dict, args, command: str) -> str:
             continue
         base, ideal = r["exact-unbalanced"].step_s, r["exact-unbalanced"].ideal_step_s
         exact = {k: v for k, v in r.items() if k not in ("hf-default", "distca-pingpong")}
-        fastest = min(exact, key=lambda k: exact[k].step_s)
+        best = min(r.step_s for r in exact.values())
+        fastest = " = ".join(k for k, r in exact.items() if r.step_s <= best * (1 + 1e-9))  # ties: all
         lines.append(
             f"| {row.workload} | {row.tokens_per_rank} | {row.world} | {_fmt_bw(row.inter_gibps)} | {base:.2f} "
             f"| {step(r, 'distca')} | {step(r, 'distca-comm')} | {ideal:.2f} | {speedup(r, 'distca')} "

@@ -10,14 +10,16 @@ hf-default         ``recipes/finetune_long_docs.py --layout hf-default --attn lo
                    each rank packs whole documents in dataset order up to its budget, varlen kernel
                    (the same torch varlen kernel as DistCA); documents longer than the budget become
                    independent chunks: **the math differs** (hf_distca.data.baselines)
-exact-unbalanced   ``--max-planner-moves 0``: DistCA's data path and exact cross-rank attention, balancing
-                   off (``--tolerance 9.9`` is not off: the planner still moves work once a rank holds
-                   more than 10.9x the mean, as with ProLong's 300K-token documents on 512 GPUs)
+exact-unbalanced   ``--layout tokens --max-planner-moves 0``: DistCA's data path with the token-only
+                   rebatcher layout (longest documents first onto the rank with the most free space) and
+                   exact cross-rank attention, balancing off (``--tolerance 9.9`` is not off: the planner
+                   still moves work once a rank holds more than 10.9x the mean, as with ProLong's
+                   300K-token documents on 512 GPUs)
 balanced           ``--layout balanced --max-planner-moves 0``: WLB-LLM-style balanced packing, long documents
                    split head/tail over ranks (per-document context parallelism), exact through DistCA's
-                   engine with balancing off
-distca             the recipe's defaults (planner tolerance 0.1; rematerialization-aware checkpointing
-                   where hf_distca has it)
+                   engine with balancing off; DistCA's own layout, without its planner
+distca             the recipe's defaults (the balanced layout, planner tolerance 0.1;
+                   rematerialization-aware checkpointing where hf_distca has it)
 distca-sft         ``recipes/sft_trl.py``: DistCA through TRL's SFTTrainer (its own fused LM head
                    instead of --liger); needs trl and datasets on the GPU machine
 ulysses            ``recipes/sequence_parallel_long_docs.py --parallelism ulysses``: DeepSpeed Ulysses /
@@ -102,7 +104,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYSTEM_RUNS = {
     # system -> (recipe, its flags)
     "hf-default": ("recipes/finetune_long_docs.py", ["--layout", "hf-default", "--attn", "local"]),
-    "exact-unbalanced": ("recipes/finetune_long_docs.py", ["--max-planner-moves", "0"]),
+    "exact-unbalanced": ("recipes/finetune_long_docs.py", ["--layout", "tokens", "--max-planner-moves", "0"]),
     "balanced": ("recipes/finetune_long_docs.py", ["--layout", "balanced", "--max-planner-moves", "0"]),
     "distca": ("recipes/finetune_long_docs.py", []),
     "distca-sft": ("recipes/sft_trl.py", []),

@@ -10,6 +10,7 @@ points (``get_train_dataloader``, ``training_step``, ``log``); see :mod:`hf_dist
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -25,7 +26,7 @@ from hf_distca.attention import enable_distca
 from hf_distca.checkpointing import switch_trainer_checkpointing
 from hf_distca.config import DistCAConfig
 from hf_distca.data.loader import DistCABatches, DistCADataLoader, TokenDocuments
-from hf_distca.data.rebatch import LayoutFn
+from hf_distca.data.rebatch import LayoutFn, layout_balanced
 from hf_distca.validation import check_launch, check_model_supported
 
 NEEDS_DISTCA_TRAINER = (
@@ -68,8 +69,9 @@ class DistCACallback(TrainerCallback):
             plain checkpointing does (for comparison). Default False: rematerialization-aware
             checkpointing keeps each layer's attention output and log-sum-exp instead
             (:mod:`hf_distca.checkpointing`).
-        layout: places each micro-batch's documents on the ranks (default: the rebatcher's
-            ``hf_distca.data.layout_pieces``); benchmarks pass the baselines of
+        layout: places each micro-batch's documents on the ranks (default: the cost-balanced
+            ``hf_distca.data.layout_balanced``, cutting a document inside one node where
+            ``config.ranks_per_node`` names the nodes); benchmarks pass the baselines of
             :mod:`hf_distca.data.baselines`.
     """
 
@@ -143,7 +145,8 @@ class DistCACallback(TrainerCallback):
             pad_token_id=int(pad),
             max_steps=max_steps,
             disaggregate=self.disaggregate,
-            layout=self.layout,
+            layout=self.layout
+            or functools.partial(layout_balanced, ranks_per_node=self.config.ranks_per_node),
         )
         if len(batches) == 0:
             raise ValueError(

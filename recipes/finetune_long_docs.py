@@ -108,9 +108,11 @@ def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
         "--layout",
         choices=sorted(LAYOUTS),
         default="distca",
-        help="how each global micro-batch is laid out over the ranks: distca (the rebatcher, default), "
-        "hf-default (each rank packs whole documents in order; run with --attn local) or balanced "
-        "(WLB-LLM-style balanced packing; run with --max-planner-moves 0); see hf_distca.data.baselines",
+        help="how each global micro-batch is laid out over the ranks: distca (default: cost-balanced packing, "
+        "hf_distca.data.layout_balanced), tokens (the token-only rebatcher, layout_pieces; the exact-unbalanced "
+        "baseline with --max-planner-moves 0), hf-default (each rank packs whole documents in order; run with "
+        "--attn local) or balanced (the same layout as distca; run with --max-planner-moves 0 as the "
+        "WLB-LLM-style baseline); see hf_distca.data.baselines",
     )
     p.add_argument(
         "--liger",
@@ -397,7 +399,8 @@ def prepare(args, training_args):
         disaggregate=args.attn == "distca",
         pad_token_id=(tokenizer.pad_token_id if tokenizer is not None else None) or 0,
         recompute_attention=args.recompute_attention,
-        layout=LAYOUTS[args.layout],
+        # distca: the callback's default, cost-balanced and node-aware when the config names nodes
+        layout=None if args.layout == "distca" else LAYOUTS[args.layout],
     )
     return tokenizer, documents, model, callback
 

@@ -82,7 +82,8 @@ def test_balanced_places_whole_documents_on_the_cheapest_rank():
 @pytest.mark.parametrize("world", [2, 8])
 def test_balanced_beats_hf_default_and_the_rebatcher_on_skewed_batches(world):
     """Max over ranks of attention pairs (full context): a long-tailed batch where one document
-    dominates; the rebatcher (equal tokens, longest first) and HF default leave it on one rank."""
+    dominates; the token-only rebatcher (equal tokens, longest first) and HF default leave it on one
+    rank. DistCA's default layout is the balanced one."""
     tokens = 4096
     lengths = [3500] + [256] * ((world * tokens - 3500) // 256)
     worst = {}
@@ -90,7 +91,8 @@ def test_balanced_beats_hf_default_and_the_rebatcher_on_skewed_batches(world):
         pieces = layout(lengths, world_size=world, tokens_per_rank=tokens)
         plan = plan_core_attention(pieces, q_row_bytes=1, kv_row_bytes=1)
         worst[name] = max(plan.load_before)  # every rank's own pieces with their full context
-    assert worst["balanced"] < worst["distca"] and worst["balanced"] < worst["hf-default"]
+    assert worst["balanced"] < worst["tokens"] and worst["balanced"] < worst["hf-default"]
+    assert worst["distca"] == worst["balanced"] and LAYOUTS["distca"] is balanced_layout
     assert worst["hf-default"] >= causal_pairs(0, 3500)
 
 
@@ -104,3 +106,21 @@ def test_layout_errors():
             layout([1], world_size=0, tokens_per_rank=100)
     with pytest.raises(ValueError, match="linear_pairs_per_token must be >= 0"):
         balanced_layout([1], world_size=1, tokens_per_rank=100, linear_pairs_per_token=-1.0)
+
+
+def test_balanced_cuts_a_document_inside_one_node_when_nodes_are_known():
+    # three 300-token documents (each cut over 3 ranks for its attention) and short ones on 8 ranks x
+    # 200 in nodes of 4: without nodes two of them straddle nodes; with ranks_per_node=4 each stays in
+    # one node, and the layout keeps the rebatcher's invariants
+    lengths = [300, 300, 300] + [25] * 28
+    world, tokens = 8, 200
+
+    def holders(pieces, doc):
+        return sorted({r for r, rank in enumerate(pieces) for p in rank if p.doc_id == doc})
+
+    plain = balanced_layout(lengths, world_size=world, tokens_per_rank=tokens)
+    assert [holders(plain, doc) for doc in range(3)] == [[0, 1, 2], [3, 4, 5], [0, 6, 7]]
+    local = balanced_layout(lengths, world_size=world, tokens_per_rank=tokens, ranks_per_node=4)
+    assert [holders(local, doc) for doc in range(3)] == [[0, 1, 2], [4, 5, 6], [0, 1, 3]]
+    docs = [list(range(n)) for n in lengths]
+    check_layout(docs, world, tokens, layout=lambda *a, **k: balanced_layout(*a, **k, ranks_per_node=4))

@@ -47,7 +47,7 @@ def test_sft_trainer_and_baselines_match_the_trainer_recipe_on_two_ranks(tmp_pat
     runs = {
         "trainer": ["finetune_long_docs.py", []],
         "sft": ["sft_trl.py", []],
-        "balanced": ["finetune_long_docs.py", ["--layout", "balanced", "--max-planner-moves", "0"]],
+        "tokens": ["finetune_long_docs.py", ["--layout", "tokens", "--max-planner-moves", "0"]],
         "hf_default": ["finetune_long_docs.py", ["--layout", "hf-default", "--attn", "local"]],
     }
     spec = [
@@ -69,27 +69,27 @@ def test_sft_trainer_and_baselines_match_the_trainer_recipe_on_two_ranks(tmp_pat
     assert all(sum(r["bytes_sent"]) > 0 for r in ref)
     assert ref[-1]["loss"] < ref[0]["loss"]
     # SFTTrainer: the same batches and the same token-weighted loss (TRL's fused LM head on shift_labels)
-    # balanced packing: other ranks hold the tokens, DistCA's engine (balancing off) keeps the math exact
-    for name in ("sft", "balanced"):
+    # the token-only layout: other ranks hold the tokens, DistCA's engine (balancing off) keeps the math exact
+    for name in ("sft", "tokens"):
         assert [r["step"] for r in got[name]] == [1, 2, 3]
         for mine, want in zip(got[name], ref, strict=True):
             assert mine["tokens"] == want["tokens"] == 2048
             rel = abs(mine["loss"] - want["loss"]) / abs(want["loss"])
             assert rel <= TOL["train_loss"][0], (name, mine, want)
     assert got["sft"][0]["attn_flops_before"] == ref[0]["attn_flops_before"]  # the same layout
-    # the balanced layout moved no attention (no planner moves) and placed the tokens differently
-    for r in got["balanced"]:
+    # the token-only layout moved no attention (no planner moves) and placed the tokens differently
+    for r in got["tokens"]:
         assert r["attn_flops_after"] == r["attn_flops_before"]
     # each run laid its batches out with its layout: the recorded load is that layout's, step by step
     recipe = load_recipe()
     documents, _ = recipe.documents_from_lengths(recipe.parse_args(data))
     flops_per_pair = 4 * 4 * 32 * 2  # tiny-llama: 4 heads x head_dim 32 x 2 layers
-    for name, layout in (("trainer", "distca"), ("balanced", "balanced"), ("hf_default", "hf-default")):
+    for name, layout in (("trainer", "distca"), ("tokens", "tokens"), ("hf_default", "hf-default")):
         batches = DistCABatches(documents, rank=0, world_size=2, tokens_per_rank=512, grad_accum=2, seed=4,
                                 layout=LAYOUTS[layout])  # fmt: skip
         want = [[p * flops_per_pair for p in batches.layout_load(step)] for step in range(3)]
         assert [r["attn_flops_before"] for r in got[name]] == want, name
-    assert got["balanced"][0]["attn_flops_before"] != ref[0]["attn_flops_before"]
+    assert got["tokens"][0]["attn_flops_before"] != ref[0]["attn_flops_before"]
     # HF default: nothing crosses ranks; chunks of documents cut over ranks lose their context (the
     # math differs: the loss is close to the exact one, not equal by construction)
     hf = got["hf_default"]

@@ -61,7 +61,7 @@ def test_every_system_is_a_recipe_command_on_the_same_data(tmp_path):
     moves = DistCAConfig().max_planner_moves
     expect = {  # system -> (attn, layout, planner moves, liger) the recipe sees
         "hf-default": ("local", "hf-default", moves, True),
-        "exact-unbalanced": ("distca", "distca", 0, True),
+        "exact-unbalanced": ("distca", "tokens", 0, True),
         "balanced": ("distca", "balanced", 0, True),
         "distca": ("distca", "distca", moves, True),
         "distca-sft": ("distca", "distca", moves, False),

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from hf_distca.data.rebatch import LayoutFn, layout_for_rank, layout_pieces
+from hf_distca.data.rebatch import LayoutFn, layout_balanced, layout_for_rank
 from hf_distca.data.sampler import plan_global_batches
 from hf_distca.planning.cost import causal_pairs
 
@@ -101,8 +101,8 @@ class DistCABatches(IterableDataset):
         self.pad_token_id = pad_token_id
         self.max_steps = max_steps
         self.disaggregate = disaggregate
-        self.layout = layout or layout_pieces
-        """Places each micro-batch's documents on the ranks (default: the rebatcher's layout_pieces)."""
+        self.layout = layout or layout_balanced
+        """Places each micro-batch's documents on the ranks (default: the cost-balanced layout_balanced)."""
         self.epoch = 0
         self.current_step: int | None = None
         """Stream index of the step whose micro-batch was yielded last (None before the first)."""

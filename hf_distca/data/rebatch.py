@@ -1,19 +1,29 @@
 """layout_micro_batch: lay one global micro-batch of documents out over the ranks, equal tokens each.
 
 Every rank receives the same documents (token ids) and computes the same layout (deterministic,
-nothing is exchanged). Each rank ends up with exactly ``tokens_per_rank`` tokens, so everything but
-core attention is balanced; core attention is rebalanced later by the planner, using the pieces
-recorded here.
+nothing is exchanged). Each rank ends up with exactly ``tokens_per_rank`` tokens (padding included),
+so everything but core attention is balanced; core attention is rebalanced later by the planner, using
+the pieces recorded here. Two placements:
 
-Placement, documents taken longest first (ties: lower index first):
-- a document that fits whole on the rank with the most free space (ties: lower rank) goes there;
-- otherwise it is cut over the fewest ranks that can hold it, taken by most free space, with
-  shares as equal as their free space allows ("water filling"). Each rank's share is split in a
-  head half and a tail half laid out as ``head_0 head_1 ... head_{k-1} tail_{k-1} ... tail_1 tail_0``
-  along the document ("zigzag"). With equal shares this is exactly the 2k-chunk scheme (rank j holds
-  chunks j and 2k-1-j), whose causal work sum(position + 1) is the same on every rank: the early,
-  cheap head of a rank is paired with a late, expensive tail. The two halves of the last rank are
-  adjacent and form one piece.
+- :func:`layout_balanced` (the default): documents go, most expensive first, to the rank with the
+  least estimated cost (causal attention pairs plus a per-token term), and a document whose attention
+  alone exceeds a rank's fair share is cut head/tail over several ranks (balanced packing in the style
+  of WLB-LLM). The layout is then already close to balanced, so the planner moves little and long
+  documents' KV prefixes are spread over several holders instead of one (in the simulator,
+  benchmarks/simulate.py, this cut DistCA's exposed all-to-all time 1.4-3x on one node of 8 GPUs and
+  1.7-21x across nodes with the balance-only planner, where one holder's NIC carried every copy of a
+  long document's prefix).
+- :func:`layout_pieces` (token-only: the exact-unbalanced baseline), documents taken longest first
+  (ties: lower index first): a document that fits whole on the rank with the most free space (ties:
+  lower rank) goes there; otherwise it is cut over the fewest ranks that can hold it, taken by most
+  free space.
+
+A cut document gets shares as equal as the ranks' free space allows ("water filling"). Each rank's
+share is split in a head half and a tail half laid out as
+``head_0 head_1 ... head_{k-1} tail_{k-1} ... tail_1 tail_0`` along the document ("zigzag"). With
+equal shares this is exactly the 2k-chunk scheme (rank j holds chunks j and 2k-1-j), whose causal work
+sum(position + 1) is the same on every rank: the early, cheap head of a rank is paired with a late,
+expensive tail. The two halves of the last rank are adjacent and form one piece.
 The padding needed to reach ``tokens_per_rank`` (only the remainder of each rank) is rank r's own
 pseudo-document ``len(docs) + r``: it attends only to itself, never to real tokens.
 
@@ -23,18 +33,29 @@ the target of its last token (the first token of the next piece).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from hf_distca.planning.cost import causal_pairs
 from hf_distca.planning.pieces import Piece
 
 IGNORE_INDEX = -100
 """Label of tokens without a target (last token of a document, padding); ignored by the loss."""
 
-__all__ = ["IGNORE_INDEX", "LayoutFn", "RankBatch", "layout_for_rank", "layout_micro_batch", "layout_pieces"]
+__all__ = [
+    "IGNORE_INDEX",
+    "LINEAR_PAIRS_PER_TOKEN",
+    "LayoutFn",
+    "RankBatch",
+    "layout_balanced",
+    "layout_for_rank",
+    "layout_micro_batch",
+    "layout_pieces",
+]
 
 LayoutFn = Callable[..., list[tuple[Piece, ...]]]
 """A layout: ``fn(doc_lengths, *, world_size, tokens_per_rank, min_piece_tokens)`` -> every rank's pieces,
@@ -124,6 +145,135 @@ def layout_pieces(
     return [tuple(p) for p in placed]
 
 
+LINEAR_PAIRS_PER_TOKEN = 16384.0
+"""Default weight of one token's non-attention cost, in causal (query, key) pairs: for a
+Llama-3-8B-shaped layer on an H200, ~4 us of projections and MLP per token (forward, backward and
+recompute) against ~0.25 ns of attention per pair (4.5 x 16384 FLOPs at ~300 TFLOP/s), the figures
+behind benchmarks/simulate.py. Only :func:`layout_balanced`'s estimate uses it."""
+
+
+def _lengths(doc_lengths: Sequence[int], world_size: int, tokens_per_rank: int) -> list[int]:
+    _check_positive("world_size", world_size)
+    _check_positive("tokens_per_rank", tokens_per_rank)
+    lengths = [int(n) for n in doc_lengths]
+    if any(n < 0 for n in lengths):
+        raise ValueError(f"document lengths must be >= 0, got {lengths}")
+    if sum(lengths) > world_size * tokens_per_rank:
+        raise ValueError(
+            f"{len(lengths)} documents hold {sum(lengths)} tokens, more than world_size x tokens_per_rank = "
+            f"{world_size} x {tokens_per_rank} = {world_size * tokens_per_rank}; plan smaller micro-batches "
+            "(plan_global_batches with tokens_per_step = micro_batches x world_size x tokens_per_rank)"
+        )
+    return lengths
+
+
+def _finish(placed: list[list[Piece]], free: list[int], num_docs: int) -> list[tuple[Piece, ...]]:
+    """Merge touching pieces of one document and pad every rank to its budget."""
+    out = []
+    for rank, pieces in enumerate(placed):
+        pieces = _merge_adjacent(pieces)
+        if free[rank]:
+            pieces.append(Piece(num_docs + rank, 0, free[rank]))
+        out.append(tuple(pieces))
+    return out
+
+
+def layout_balanced(
+    doc_lengths: Sequence[int],
+    *,
+    world_size: int,
+    tokens_per_rank: int,
+    min_piece_tokens: int = 1,
+    linear_pairs_per_token: float = LINEAR_PAIRS_PER_TOKEN,
+    ranks_per_node: int | None = None,
+) -> list[tuple[Piece, ...]]:
+    """Balanced packing with per-document context parallelism (WLB-LLM style).
+
+    Estimated cost of a piece ``[a, b)`` of a document: ``linear_pairs_per_token x (b - a)`` plus its
+    causal (query, key) pairs with full context, ``causal_pairs(a, b)``. Documents are taken by
+    decreasing cost (ties: lower index first).
+
+    - A document is split over ``k = max(ceil(length / tokens_per_rank), ceil(pairs / fair))`` ranks
+      (at most ``world_size``), ``fair`` being the micro-batch's attention pairs over ``world_size``:
+      a document whose attention alone exceeds one rank's fair share is cut. The ``k`` ranks with the
+      least estimated cost that have room take shares as equal as their room allows, each share a
+      head and a tail of the document laid out ``head_0 .. head_{k-1} tail_{k-1} .. tail_0`` (equal
+      causal work per rank for equal shares); more ranks join when those ``k`` lack the room.
+    - Any other document goes whole to the rank with the least estimated cost among those with room
+      for it (ties: most room, then lower rank); when none has room it is split as above over two or
+      more ranks.
+    - ``ranks_per_node`` (ranks [k n, (k + 1) n) share node k, as ``DistCAConfig.ranks_per_node``): a
+      document cut over at most that many ranks is cut over ranks of one node, the one whose ``k``
+      least loaded ranks carry the least load among nodes with room for it, so that its pieces read
+      each other's KV over the node's fast links. None: nodes are not known.
+
+    Ranks hold at most ``tokens_per_rank`` tokens, the memory budget every system gets; the global
+    micro-batch nearly fills it, so the balance comes from which documents go where and from the
+    splits, not from unequal token counts.
+    """
+    lengths = _lengths(doc_lengths, world_size, tokens_per_rank)
+    _check_positive("min_piece_tokens", min_piece_tokens)
+    if not linear_pairs_per_token >= 0:
+        raise ValueError(f"linear_pairs_per_token must be >= 0, got {linear_pairs_per_token!r}")
+
+    def cost(a: int, b: int) -> float:
+        return linear_pairs_per_token * (b - a) + causal_pairs(a, b)
+
+    fair = sum(causal_pairs(0, n) for n in lengths) / world_size
+    placed: list[list[Piece]] = [[] for _ in range(world_size)]
+    free = [tokens_per_rank] * world_size
+    load = [0.0] * world_size
+    for doc in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        length = lengths[doc]
+        if length == 0:
+            continue
+        # fair > 0: this document has attention pairs
+        k = max(math.ceil(length / tokens_per_rank), math.ceil(causal_pairs(0, length) / fair))
+        k = min(k, world_size)
+        if k == 1:
+            fits = [r for r in range(world_size) if free[r] >= length]
+            if fits:
+                rank = min(fits, key=lambda r: (load[r], -free[r], r))
+                placed[rank].append(Piece(doc, 0, length))
+                free[rank] -= length
+                load[rank] += cost(0, length)
+                continue
+            k = 2  # no rank has room for it whole
+        by_load = sorted((r for r in range(world_size) if free[r] > 0), key=lambda r: (load[r], -free[r], r))
+        if ranks_per_node is not None and k <= ranks_per_node < world_size:
+            by_load = _one_node(by_load, k, length, free, load, ranks_per_node) or by_load
+        ranks = by_load[:k]
+        for r in by_load[k:]:
+            if sum(free[x] for x in ranks) >= length:
+                break
+            ranks.append(r)
+        shares = _water_fill([free[r] for r in ranks], length)
+        for rank, doc_start, n in _zigzag(ranks, shares, min_piece_tokens):
+            placed[rank].append(Piece(doc, doc_start, n))
+            free[rank] -= n
+            load[rank] += cost(doc_start, doc_start + n)
+    return _finish(placed, free, len(lengths))
+
+
+def _one_node(
+    by_load: list[int], k: int, length: int, free: list[int], load: list[float], ranks_per_node: int
+) -> list[int] | None:
+    """The ranks of one node (least loaded first) to cut a document over: the node whose ``k`` least
+    loaded ranks carry the least load among nodes with room for the whole document; None if none has.
+    A cut document's pieces then read each other's KV over the node's fast links."""
+    best, best_key = None, None
+    nodes: dict[int, list[int]] = {}
+    for r in by_load:
+        nodes.setdefault(r // ranks_per_node, []).append(r)
+    for node, members in nodes.items():
+        if sum(free[r] for r in members) < length:
+            continue
+        key = (sum(load[r] for r in members[:k]), node)
+        if best_key is None or key < best_key:
+            best, best_key = members, key
+    return best
+
+
 def layout_micro_batch(
     docs: Sequence[Sequence[int]],
     *,
@@ -136,7 +286,7 @@ def layout_micro_batch(
     """Lay ``docs`` (token ids of one global micro-batch) out over ``world_size`` ranks.
 
     Returns one ``RankBatch`` per rank, each with exactly ``tokens_per_rank`` tokens. ``layout``: the
-    function that places the pieces (default :func:`layout_pieces`; benchmarks pass the baselines of
+    function that places the pieces (default :func:`layout_balanced`; benchmarks pass the baselines of
     :mod:`hf_distca.data.baselines`).
     """
     arrays, all_pieces = _arrays_and_pieces(docs, world_size, tokens_per_rank, min_piece_tokens, layout)
@@ -147,7 +297,7 @@ def _arrays_and_pieces(docs, world_size: int, tokens_per_rank: int, min_piece_to
     """Token arrays of the documents and every rank's pieces (the layout all ranks agree on)."""
     arrays = [_as_tokens(d, i) for i, d in enumerate(docs)]
     all_pieces = tuple(
-        (layout or layout_pieces)(
+        (layout or layout_balanced)(
             [len(a) for a in arrays],
             world_size=world_size,
             tokens_per_rank=tokens_per_rank,

@@ -150,25 +150,55 @@ def link_model_from_config(config: Any, cost_model: Any, flops_per_pair: float |
     )
 
 
+def add_bytes(
+    table: np.ndarray, ranks: np.ndarray, link_class: np.ndarray, column: int, nbytes: np.ndarray
+) -> None:
+    """``table[rank, link class, column] += bytes`` for every entry (repeats add up): a (ranks, 2, 4) table."""
+    flat = (ranks * 2 + link_class) * 4 + column
+    table += np.bincount(flat, weights=nbytes, minlength=table.size).reshape(table.shape)
+
+
+def plan_rows(plan: Any) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
+    """The rows a :class:`~hf_distca.planning.CorePlan` moves in one forward dispatch, as (holder, server, rows) arrays with holder !=
+    server: query rows of every task, and KV-prefix rows of every server's prefixes (each once)."""
+    docs, starts, ends, servers = [], [], [], []
+    for server, tasks in enumerate(plan.tasks):
+        for t in tasks:
+            docs.append(t.doc_id)
+            starts.append(t.q_start)
+            ends.append(t.q_end)
+            servers.append(server)
+    kv_docs, kv_ends, kv_servers = [], [], []
+    for server, prefixes in enumerate(plan.kv_prefix):
+        for doc, prefix in prefixes.items():
+            kv_docs.append(doc)
+            kv_ends.append(prefix)
+            kv_servers.append(server)
+    out = []
+    for d, a, b, srv in ((docs, starts, ends, servers), (kv_docs, [0] * len(kv_docs), kv_ends, kv_servers)):
+        request, holder, rows = plan.index.segment_rows(d, a, b)
+        server = np.asarray(srv, dtype=np.int64)[request]
+        remote = holder != server
+        out.append((holder[remote], server[remote], rows[remote]))
+    return out[0], out[1]
+
+
 def plan_traffic(plan: Any, link: LinkModel) -> np.ndarray:
     """Bytes of one forward dispatch per rank and link class, (ranks, 2, 4) with columns Q_OUT, KV_OUT,
     Q_IN, KV_IN, recomputed from a :class:`~hf_distca.planning.CorePlan`'s tasks and KV prefixes."""
-    world = plan.world_size
-    traffic = np.zeros((world, 2, 4))
-    index = plan.index
-    for server in range(world):
-        for t in plan.tasks[server]:
-            for holder, _, n in index.segments(t.doc_id, t.q_start, t.q_end):
-                if holder != server:
-                    c = link.link_class(holder, server)
-                    traffic[holder, c, Q_OUT] += n * plan.q_row_bytes
-                    traffic[server, c, Q_IN] += n * plan.q_row_bytes
-        for doc, prefix in plan.kv_prefix[server].items():
-            for holder, _, n in index.segments(doc, 0, prefix):
-                if holder != server:
-                    c = link.link_class(holder, server)
-                    traffic[holder, c, KV_OUT] += n * plan.kv_row_bytes
-                    traffic[server, c, KV_IN] += n * plan.kv_row_bytes
+    traffic = np.zeros((plan.world_size, 2, 4))
+    rows = plan_rows(plan)
+    for (holder, server, n), row_bytes, out_col, in_col in (
+        (rows[0], plan.q_row_bytes, Q_OUT, Q_IN),
+        (rows[1], plan.kv_row_bytes, KV_OUT, KV_IN),
+    ):
+        if link.ranks_per_node is None:
+            link_class = np.full(holder.shape, INTER)
+        else:
+            same = holder // link.ranks_per_node == server // link.ranks_per_node
+            link_class = np.where(same, INTRA, INTER)
+        add_bytes(traffic, holder, link_class, out_col, n * row_bytes)
+        add_bytes(traffic, server, link_class, in_col, n * row_bytes)
     return traffic
 
 

@@ -7,9 +7,12 @@ every document exactly once, from position 0, with no gap and no overlap.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
+
+import numpy as np
 
 
 class Piece(NamedTuple):
@@ -76,6 +79,9 @@ class DocIndex:
                 expected = h.doc_end
             self.holdings[doc_id] = runs
             self.doc_length[doc_id] = expected
+        # per document, the end of each run in position order: segments() bisects to its first run
+        self._run_ends: dict[int, list[int]] = {d: [h.doc_end for h in hs] for d, hs in self.holdings.items()}
+        self._table = None  # segment_rows' run table, built on first use
 
     def segments(
         self, doc_id: int, start: int, end: int, rank: int | None = None
@@ -84,9 +90,9 @@ class DocIndex:
 
         With ``rank`` given, only the runs that rank holds (the others are skipped)."""
         out = []
-        for h in self.holdings[doc_id]:
-            if h.doc_end <= start:
-                continue
+        runs = self.holdings[doc_id]
+        for i in range(bisect.bisect_right(self._run_ends[doc_id], start), len(runs)):
+            h = runs[i]  # the first run ending after start, then on
             if h.doc_start >= end:
                 break
             if rank is not None and h.rank != rank:
@@ -94,6 +100,50 @@ class DocIndex:
             lo, hi = max(start, h.doc_start), min(end, h.doc_end)
             out.append((h.rank, h.local_start + lo - h.doc_start, hi - lo))
         return out
+
+    def segment_rows(
+        self, doc_ids: Sequence[int], starts: Sequence[int], ends: Sequence[int]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`segments` of many ranges at once: ``(request, rank, rows)`` arrays, one entry per run
+        that request i's doc positions [starts[i], ends[i]) of ``doc_ids[i]`` overlap, in request then
+        position order (the same runs and rows as ``segments``, without the local offsets)."""
+        position, run_start, run_end, run_rank, start_key, end_key, width = self._run_table()
+        pos = np.fromiter((position[d] for d in doc_ids), dtype=np.int64, count=len(doc_ids))
+        lo_at = np.asarray(starts, dtype=np.int64)
+        hi_at = np.asarray(ends, dtype=np.int64)
+        first = np.searchsorted(end_key, pos * width + lo_at, side="right")  # first run ending after start
+        stop = np.searchsorted(start_key, pos * width + hi_at, side="left")  # first run starting at/after end
+        count = np.maximum(stop - first, 0)
+        request = np.repeat(np.arange(len(pos)), count)  # (S,)
+        offset = np.cumsum(count) - count
+        run = first[request] + np.arange(request.size) - offset[request]  # (S,)
+        rows = np.minimum(run_end[run], hi_at[request]) - np.maximum(run_start[run], lo_at[request])
+        return request, run_rank[run], rows
+
+    def _run_table(self):
+        """Every document's runs in one table (built once): document -> its position; per run its start,
+        end and rank; and sort keys position x width + start / end (width: above every position), which
+        keep the runs' order (by document, then position)."""
+        if self._table is None:
+            position = {d: i for i, d in enumerate(self.doc_ids)}
+            runs = [
+                (i, h.doc_start, h.doc_end, h.rank)
+                for i, d in enumerate(self.doc_ids)
+                for h in self.holdings[d]
+            ]
+            table = np.array(runs, dtype=np.int64).reshape(-1, 4)  # (R, 4): position, start, end, rank
+            width = int(table[:, 2].max(initial=0)) + 1
+            base = table[:, 0] * width
+            self._table = (
+                position,
+                table[:, 1],
+                table[:, 2],
+                table[:, 3],
+                base + table[:, 1],
+                base + table[:, 2],
+                width,
+            )
+        return self._table
 
     def count_held_by(self, doc_id: int, start: int, end: int, rank: int) -> int:
         """How many of doc positions [start, end) ``rank`` holds locally."""

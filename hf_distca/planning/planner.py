@@ -45,8 +45,10 @@ from hf_distca.planning.links import (
     Q_IN,
     Q_OUT,
     LinkModel,
+    add_bytes,
     link_model_from_config,
     plan_critical_path,
+    plan_rows,
 )
 from hf_distca.planning.pieces import DocIndex
 
@@ -203,6 +205,7 @@ class _Traffic:
         self.world = world
         self.inverse = tuple(float(x) for x in link.inverse_bandwidth)
         self.bytes = [[[0.0] * 4 for _ in range(2)] for _ in range(world)]
+        self.array = np.zeros((world, 2, 4))  # the same bytes, for pricing moves that touch many ranks
         self.phase = np.zeros((world, 3))
         self.top: list[list[tuple[float, int]]] = [[] for _ in range(3)]
         self.now = 0.0  # comm_seconds() of the current bytes
@@ -211,6 +214,7 @@ class _Traffic:
         other = object.__new__(_Traffic)
         other.link, other.world, other.inverse = self.link, self.world, self.inverse
         other.bytes = list(self.bytes)  # apply() replaces a rank's rows, never edits them
+        other.array = self.array.copy()
         other.phase = self.phase.copy()
         other.top = [list(t) for t in self.top]
         other.now = self.now
@@ -266,9 +270,54 @@ class _Traffic:
             total += weight * max(slowest, rest or 0.0)
         return total
 
+    MANY = 24
+    """Moves touching at least this many ranks are priced with arrays (:meth:`exposed_many`)."""
+
+    def exposed_many(self, changes: Changes, bound: float | None) -> float | None:
+        """comm_seconds() with ``changes`` applied minus now, computed on arrays with the same arithmetic as
+        :meth:`after`, :meth:`sent`, :meth:`rank_phases` and :meth:`comm_seconds`; None when a rank would
+        go over the send bound ``bound``."""
+        ranks = list(changes)
+        rows = np.array(ranks, dtype=np.int64)
+        old = self.array[rows]  # (k, 2, 4)
+        new = old + np.array([changes[r] for r in ranks], dtype=np.float64)
+        if bound is not None:
+            sent_new, sent_old = (
+                b[:, INTRA, Q_OUT] + b[:, INTRA, KV_OUT] + b[:, INTRA, Q_IN] + b[:, INTER, Q_OUT]
+                + b[:, INTER, KV_OUT] + b[:, INTER, Q_IN]
+                for b in (new, old)
+            )  # fmt: skip
+            if np.any((sent_new > bound) & (sent_new > sent_old)):
+                return None
+        phases = np.zeros((len(ranks), 3))
+        for c in (INTRA, INTER):
+            w = self.inverse[c]
+            if w == 0.0:
+                continue
+            q_out, kv_out, q_in, kv_in = (new[:, c, j] for j in range(4))
+            phases[:, 0] = np.maximum(phases[:, 0], np.maximum(q_out + kv_out, q_in + kv_in) * w)
+            phases[:, 1] = np.maximum(phases[:, 1], np.maximum(q_in, q_out) * w)
+            phases[:, 2] = np.maximum(phases[:, 2], np.maximum(3 * q_out + kv_out, 3 * q_in + kv_in) * w)
+        touched = set(ranks)
+        total = 0.0
+        for p, weight in ((0, 2.0), (1, 1.0), (2, 1.0)):
+            slowest = float(phases[:, p].max())
+            rest = None
+            for value, r in self.top[p]:
+                if r not in touched:
+                    rest = value
+                    break
+            if rest is None and len(self.top[p]) < self.world:  # every kept rank is touched: look at all
+                mask = np.ones(self.world, dtype=bool)
+                mask[rows] = False
+                rest = float(self.phase[mask, p].max()) if mask.any() else 0.0
+            total += weight * max(slowest, rest or 0.0)
+        return total - self.now
+
     def apply(self, changes: Changes) -> None:
         for r, b in self.after(changes).items():
             self.bytes[r] = b
+            self.array[r] = b
             self.phase[r] = self.rank_phases(b)
         self._refresh_top()
         self.now = self.comm_seconds()
@@ -303,12 +352,20 @@ class _Balancer:
         self, index: DocIndex, cost, config: DistCAConfig, link: LinkModel | None, q_row: int, kv_row: int
     ):
         self.index, self.cost, self.config, self.link = index, cost, config, link
+        # causal pairs add up over any split of a task: a move changes src and dst by the moved shard's
+        # cost; other models (measured time) price a server's merged intervals, see _load_changes
+        self.additive = isinstance(cost, CausalPairsCost)
         self.q_row, self.kv_row = q_row, kv_row
         world = index.world_size
         # per document, (start, end, holder) of its runs in position order
         self.runs = {
             doc: [(h.doc_start, h.doc_end, h.rank) for h in hs] for doc, hs in index.holdings.items()
         }
+        self.run_ends = {doc: [b for _, b, _ in runs] for doc, runs in self.runs.items()}  # for bisect
+        self.held: dict[int, dict[int, list[tuple[int, int]]]] = {}  # doc -> rank -> its runs (a, b)
+        for doc, runs in self.runs.items():
+            for a, b, rank in runs:
+                self.held.setdefault(doc, {}).setdefault(rank, []).append((a, b))
         self.servers = [_Server(r) for r in range(world)]
         self.serving: dict[int, set[int]] = {}  # doc -> servers with tasks of it
         self._owned: set[int] | None = None  # clones: the servers copied from the origin (None: all own)
@@ -324,17 +381,36 @@ class _Balancer:
         self.traffic = None
         if link is not None or config.max_send_bytes_per_rank is not None:
             self.traffic = _Traffic(link or _FREE_LINKS, world)
-            initial: Changes = {}
-            for s in self.servers:
-                for doc in s.intervals:
-                    for h, n in self.segments(doc, 0, s.need(doc)):
-                        if h != s.rank:
-                            self._add(initial, h, s.rank, KV_OUT, KV_IN, n * kv_row)
-            self.traffic.apply(initial)
+            self.traffic.apply(self._initial_traffic())
         self.moves: list[_Move] = []
         # priced: the all-to-all seconds and the critical path after 0, 1, ... moves
         self.comm: list[float] = [self.traffic.now] if link is not None else []
         self.path: list[float] = [self.critical_path()] if link is not None else []
+
+    def _initial_traffic(self) -> Changes:
+        """Bytes of the start (every server its own pieces): each server's KV prefixes from their holders."""
+        docs, ends, servers = [], [], []
+        for s in self.servers:
+            for doc in s.intervals:
+                docs.append(doc)
+                ends.append(s.need(doc))
+                servers.append(s.rank)
+        request, holder, rows = self.index.segment_rows(docs, [0] * len(docs), ends)
+        server = np.asarray(servers, dtype=np.int64)[request]
+        remote = holder != server
+        holder, server, kv_bytes = holder[remote], server[remote], rows[remote] * self.kv_row
+        per = self.link.ranks_per_node if self.link is not None else None
+        if per is None:
+            link_class = np.full(holder.shape, INTER)
+        else:
+            link_class = np.where(holder // per == server // per, INTRA, INTER)
+        total = np.zeros((self.index.world_size, 2, 4))  # rank x link class x column
+        add_bytes(total, holder, link_class, KV_OUT, kv_bytes)
+        add_bytes(total, server, link_class, KV_IN, kv_bytes)
+        return {
+            int(r): [total[r, INTRA].tolist(), total[r, INTER].tolist()]
+            for r in np.flatnonzero(total.any(axis=(1, 2)))
+        }
 
     def clone(self) -> _Balancer:
         """An independent copy of this state (planning again from the same start)."""
@@ -352,13 +428,17 @@ class _Balancer:
     def segments(self, doc: int, start: int, end: int) -> list[tuple[int, int]]:
         """(holder, rows) of doc positions [start, end), in position order."""
         out = []
-        for a, b, rank in self.runs[doc]:
-            if b <= start:
-                continue
+        runs = self.runs[doc]
+        for i in range(bisect.bisect_right(self.run_ends[doc], start), len(runs)):
+            a, b, rank = runs[i]  # the first run ending after start, then on
             if a >= end:
                 break
             out.append((rank, min(end, b) - max(start, a)))
         return out
+
+    def rows_held(self, rank: int, doc: int, start: int, end: int) -> int:
+        """How many of doc positions [start, end) ``rank`` holds (its own runs: one or two, usually)."""
+        return sum(max(0, min(end, b) - max(start, a)) for a, b in self.held[doc].get(rank, ()))
 
     def node(self, rank: int) -> int:
         per = self.link.ranks_per_node if self.link is not None else None
@@ -398,6 +478,32 @@ class _Balancer:
                     self._add(changes, h, src.rank, KV_OUT, KV_IN, -n * self.kv_row)
         return changes
 
+    def _load_changes(self, src: _Server, dst: _Server, doc: int, x: int, y: int) -> tuple[float, float]:
+        """(how much src's load drops, how much dst's rises) when queries [x, y) of ``doc`` move: the
+        shard's cost for causal pairs; for other cost models the exact change of each server's load, whose
+        tasks are its merged intervals (cutting an interval or joining two changes their measured time)."""
+        cost = self.cost
+        if self.additive:
+            c = cost.task_cost(x, y)
+            return c, c
+        for a, b in src.intervals[doc]:
+            if a <= x and y <= b:
+                break
+        else:
+            raise AssertionError(f"planner bug: [{x}, {y}) of doc {doc} not on server {src.rank}")
+        drop = (
+            cost.task_cost(a, b)
+            - (cost.task_cost(a, x) if x > a else 0.0)
+            - (cost.task_cost(y, b) if b > y else 0.0)
+        )
+        lo, hi, joined = x, y, 0.0
+        for a, b in dst.intervals.get(doc, ()):
+            if b == x:
+                lo, joined = a, joined + cost.task_cost(a, b)
+            elif a == y:
+                hi, joined = b, joined + cost.task_cost(a, b)
+        return drop, cost.task_cost(lo, hi) - joined
+
     def critical_path(self) -> float:
         return self.link.critical_path(float(self.loads.max()) if self.loads.size else 0.0, self.comm[-1])
 
@@ -420,12 +526,13 @@ class _Balancer:
             if changes is None:
                 changes = self.changes_of(src, dst, move.doc, move.a, move.b)
             self.traffic.apply(changes)
+        src_drop, dst_rise = self._load_changes(src, dst, move.doc, move.a, move.b)
         src.remove(move.doc, move.a, move.b)
-        src.load -= move.cost
+        src.load -= src_drop
         if move.doc not in src.intervals:
             self.serving[move.doc].discard(src.rank)
         dst.add(move.doc, move.a, move.b)
-        dst.load += move.cost
+        dst.load += dst_rise
         self.loads[src.rank], self.loads[dst.rank] = src.load, dst.load
         dst.recv_bytes += move.bytes_in
         self.serving[move.doc].add(dst.rank)
@@ -588,12 +695,16 @@ class _Balancer:
         """Moving queries [x, y) of ``doc`` (cost ``c``) from src to dst, priced and scored; None when it is
         not allowed (or does not lower max(src, dst)), with whether its price or the send bound turned it
         down."""
-        if c <= 0 or dst.load + c >= src.load:
+        if c <= 0:
             return None, False
+        src_drop, dst_rise = (c, c) if self.additive else self._load_changes(src, dst, doc, x, y)
+        if src_drop <= 0 or dst.load + dst_rise >= src.load:
+            return None, False
+        c = src_drop
         q_row, kv_row = self.q_row, self.kv_row
         have = dst.kv_need.get(doc, 0)
-        q_in = sum(n for h, n in self.segments(doc, x, y) if h != dst.rank)  # rows dst lacks
-        kv_in = sum(n for h, n in self.segments(doc, have, y) if h != dst.rank) if y > have else 0
+        q_in = (y - x) - self.rows_held(dst.rank, doc, x, y)  # rows dst lacks
+        kv_in = (y - have) - self.rows_held(dst.rank, doc, have, y) if y > have else 0
         bytes_in = q_in * q_row + kv_in * kv_row
         bound = self.config.max_recv_bytes_per_server
         if bound is not None and dst.recv_bytes + bytes_in > bound:
@@ -603,7 +714,7 @@ class _Balancer:
             return _Move(doc, x, y, c, bytes_in, c / (comm + 1.0)), False
         changes = self.changes_of(src, dst, doc, x, y)
         exposed = self._exposed_increase(changes)
-        relief = src.load - max(src.load - c, dst.load + c)  # how much max(src, dst) drops
+        relief = src.load - max(src.load - c, dst.load + dst_rise)  # how much max(src, dst) drops
         if exposed is None or exposed >= relief:
             return None, True
         # the balance-only planner's cost per byte, net of the exposed transfer time the move adds
@@ -614,8 +725,15 @@ class _Balancer:
         """Exposed transfer time ``changes`` add to the step, in cost units; None when a rank would go over
         the send bound."""
         traffic = self.traffic
-        after = traffic.after(changes)
         bound = self.config.max_send_bytes_per_rank
+        if len(changes) >= traffic.MANY:
+            added = traffic.exposed_many(changes, bound)
+            if added is None:
+                return None
+            if self.link is None:
+                return 0.0
+            return (1.0 - self.link.overlap) * added / self.link.seconds_per_cost_unit
+        after = traffic.after(changes)
         if bound is not None:
             for r, b in after.items():
                 sent = traffic.sent(b)
@@ -810,22 +928,21 @@ def _candidate_ranges(a: int, b: int, want: float, g: int, cost) -> list[tuple[i
 def _traffic(plan: CorePlan) -> tuple[list[int], list[int]]:
     """Bytes each rank sends and receives in one forward call of the engine under ``plan``."""
     world = plan.world_size
-    sent = [0] * world
-    recv = [0] * world
-    index = plan.index
-    for server in range(world):
-        for t in plan.tasks[server]:
-            for holder, _, n in index.segments(t.doc_id, t.q_start, t.q_end):
-                if holder != server:
-                    b = n * plan.q_row_bytes
-                    sent[holder] += b  # Q out
-                    recv[server] += b
-                    sent[server] += b  # output back
-                    recv[holder] += b
-        for doc, prefix in plan.kv_prefix[server].items():
-            for holder, _, n in index.segments(doc, 0, prefix):
-                if holder != server:
-                    b = n * plan.kv_row_bytes
-                    sent[holder] += b
-                    recv[server] += b
-    return sent, recv
+    (q_holder, q_server, q_rows), (kv_holder, kv_server, kv_rows) = plan_rows(plan)
+    q_bytes = q_rows * plan.q_row_bytes  # Q out to the server, the output back to the holder
+    kv_bytes = kv_rows * plan.kv_row_bytes
+    sent = (
+        _summed(q_holder, q_bytes, world)
+        + _summed(q_server, q_bytes, world)
+        + _summed(kv_holder, kv_bytes, world)
+    )
+    recv = (
+        _summed(q_server, q_bytes, world)
+        + _summed(q_holder, q_bytes, world)
+        + _summed(kv_server, kv_bytes, world)
+    )
+    return [int(x) for x in sent], [int(x) for x in recv]
+
+
+def _summed(ranks: np.ndarray, values: np.ndarray, world: int) -> np.ndarray:
+    return np.bincount(ranks, weights=values, minlength=world).astype(np.int64)
