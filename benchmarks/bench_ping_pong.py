@@ -44,14 +44,15 @@ import json
 import os
 import sys
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_remat import (  # noqa: E402
+    VOCAB_DOCS,
     LossModel,
     barrier,
+    build_batches,
     load_lengths,
     long_share,
     recipe_model_shape,
@@ -62,9 +63,8 @@ from bench_remat import write_outputs as write_results  # noqa: E402
 
 from hf_distca import DistCAConfig, enable_distca  # noqa: E402
 from hf_distca.comm import signal_only  # noqa: E402
-from hf_distca.data import DistCABatches, documents_with_lengths  # noqa: E402
+from hf_distca.data.baselines import LAYOUTS  # noqa: E402
 
-VOCAB_DOCS = 32000
 MODES = ("ping_pong", "ping_pong_halves", "serial", "signal", "signal_pp", "unbalanced")
 MODE_CONFIG = {
     "ping_pong": {"ping_pong": True},
@@ -210,30 +210,6 @@ def summarize_trace(trace: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ the run
-def build_batches(sample: list[int], tokens_per_rank: int, count: int, rank: int, world: int, seed: int):
-    rng = np.random.default_rng(seed)
-    wanted = count * tokens_per_rank * world * 3
-    lengths: list[int] = []
-    while sum(lengths) < wanted:
-        lengths += rng.choice(np.asarray(sample), size=256).tolist()
-    docs = documents_with_lengths(lengths, vocab_size=VOCAB_DOCS, seed=seed)
-    source = DistCABatches(docs, rank=rank, world_size=world, tokens_per_rank=tokens_per_rank, seed=seed)
-    batches = []
-    for batch in source:
-        batches.append(
-            {
-                "input_ids": batch["input_ids"].to(DEVICE),
-                "position_ids": batch["position_ids"].to(DEVICE),
-                "shift_labels": batch["shift_labels"].to(DEVICE),
-                "distca_layout": batch["distca_layout"],
-                "num_targets": int(batch["shift_labels"].ne(-100).sum()),
-            }
-        )
-        if len(batches) == count:
-            break
-    return batches
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama3-8b-shaped", help="a built-in model of the recipe")
@@ -258,6 +234,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--loss-chunk", type=int, default=8192)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--layout",
+        choices=sorted(LAYOUTS),
+        default="distca",
+        help="how documents are placed (the recipe's --layout)",
+    )
     p.add_argument("--out", default=None, help="markdown report, rewritten after every mode (rank 0)")
     p.add_argument("--json", default=None, help="raw results (rank 0)")
     p.add_argument("--trace-dir", default=None, help="where rank 0 writes the profiled steps' traces (gzip)")
@@ -316,7 +298,16 @@ def main(argv=None) -> int:
     for name, sample in samples:
         for tokens in sizes:
             key = f"{name} / {tokens // 1024}K" if tokens >= 1024 else f"{name} / {tokens}"
-            batches = build_batches(sample, tokens, args.warmup + args.steps, rank, world, args.seed)
+            batches = build_batches(
+                sample,
+                tokens,
+                args.warmup + args.steps,
+                rank=rank,
+                world=world,
+                seed=args.seed,
+                layout=LAYOUTS[args.layout],
+                device=DEVICE,
+            )
             res = results[key] = {
                 "long_share": long_share(batches),
                 "tokens": tokens,

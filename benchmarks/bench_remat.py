@@ -45,6 +45,8 @@ from torch.utils.checkpoint import checkpoint
 import hf_distca
 from hf_distca import DistCAConfig, core_attention, enable_distca, metrics
 from hf_distca.data import DistCABatches, documents_with_lengths
+from hf_distca.data.baselines import LAYOUTS
+from hf_distca.data.rebatch import LayoutFn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB_DOCS = 32000  # token ids of the generated documents (the model's vocabulary stays 128K)
@@ -135,6 +137,44 @@ def barrier(device: torch.device) -> None:
         torch.cuda.synchronize()
     if dist.is_initialized():
         dist.barrier()
+
+
+def build_batches(
+    sample: list[int],
+    tokens_per_rank: int,
+    count: int,
+    *,
+    rank: int,
+    world: int,
+    seed: int,
+    layout: LayoutFn,
+    device: torch.device,
+) -> list[dict]:
+    """This rank's first ``count`` micro-batches of documents drawn (seeded) from the length ``sample``,
+    placed on the ranks by ``layout`` (hf_distca.data.baselines.LAYOUTS), moved to ``device``."""
+    rng = np.random.default_rng(seed)
+    wanted = count * tokens_per_rank * world * 3
+    lengths: list[int] = []
+    while sum(lengths) < wanted:
+        lengths += rng.choice(np.asarray(sample), size=256).tolist()
+    docs = documents_with_lengths(lengths, vocab_size=VOCAB_DOCS, seed=seed)
+    source = DistCABatches(
+        docs, rank=rank, world_size=world, tokens_per_rank=tokens_per_rank, seed=seed, layout=layout
+    )
+    batches = []
+    for batch in source:
+        batches.append(
+            {
+                "input_ids": batch["input_ids"].to(device),
+                "position_ids": batch["position_ids"].to(device),
+                "shift_labels": batch["shift_labels"].to(device),
+                "distca_layout": batch["distca_layout"],
+                "num_targets": int(batch["shift_labels"].ne(-100).sum()),
+            }
+        )
+        if len(batches) == count:
+            break
+    return batches
 
 
 def timed_steps(step, batches, warmup: int, device: torch.device) -> dict:
@@ -243,6 +283,12 @@ def main() -> int:
     p.add_argument("--loss-chunk", type=int, default=8192)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--layout",
+        choices=sorted(LAYOUTS),
+        default="distca",
+        help="how documents are placed on the ranks (the recipe's --layout; tokens: the token-only rebatcher)",
+    )
+    p.add_argument(
         "--out", default=None, help="markdown file for the table, rewritten after every mode (rank 0)"
     )
     p.add_argument("--json", default=None, help="JSON file for the raw results (rank 0)")
@@ -290,28 +336,16 @@ def main() -> int:
     head_dim = config.hidden_size // config.num_attention_heads
     results = {}
     for name, sample in samples:
-        rng = np.random.default_rng(args.seed)
-        wanted = (args.warmup + args.steps) * args.tokens_per_rank * world * 3
-        lengths = []
-        while sum(lengths) < wanted:
-            lengths += rng.choice(np.asarray(sample), size=256).tolist()
-        docs = documents_with_lengths(lengths, vocab_size=VOCAB_DOCS, seed=args.seed)
-        source = DistCABatches(
-            docs, rank=rank, world_size=world, tokens_per_rank=args.tokens_per_rank, seed=args.seed
+        batches = build_batches(
+            sample,
+            args.tokens_per_rank,
+            args.warmup + args.steps,
+            rank=rank,
+            world=world,
+            seed=args.seed,
+            layout=LAYOUTS[args.layout],
+            device=DEVICE,
         )
-        batches = []
-        for batch in source:
-            batches.append(
-                {
-                    "input_ids": batch["input_ids"].to(DEVICE),
-                    "position_ids": batch["position_ids"].to(DEVICE),
-                    "shift_labels": batch["shift_labels"].to(DEVICE),
-                    "distca_layout": batch["distca_layout"],
-                    "num_targets": int(batch["shift_labels"].ne(-100).sum()),
-                }
-            )
-            if len(batches) == args.warmup + args.steps:
-                break
         results[name] = {"long_share": long_share(batches), "modes": {}}
         for backend in backends:
             enable_distca(lm, group=group, config=DistCAConfig(backend=backend))
