@@ -26,7 +26,7 @@ from hf_distca.attention import enable_distca
 from hf_distca.checkpointing import switch_trainer_checkpointing
 from hf_distca.config import DistCAConfig
 from hf_distca.data.loader import DistCABatches, DistCADataLoader, TokenDocuments
-from hf_distca.data.rebatch import LayoutFn, layout_balanced
+from hf_distca.data.rebatch import LayoutFn, layout_balanced, layout_pieces
 from hf_distca.validation import check_launch, check_model_supported
 
 NEEDS_DISTCA_TRAINER = (
@@ -239,6 +239,7 @@ class DistCACallback(TrainerCallback):
             torch.tensor([elapsed, loss, *(counters[k] for k in float_names)], dtype=torch.float64), world
         )
         before = [p * self._flops_per_pair for p in self.batches.layout_load(self.batches.current_step)]
+        token_layout = self.batches.layout_load(self.batches.current_step, layout=layout_pieces)
         if stats.flops_after and stats.calls:
             # the engine sums every call, recomputes included: scale to one forward per layer and micro-batch
             scale = self._layers * grad_accum / stats.calls
@@ -255,6 +256,8 @@ class DistCACallback(TrainerCallback):
             "attn_flops_after": after,
             "imbalance_before": _imbalance(before),
             "imbalance_after": _imbalance(after),
+            # the same documents placed by the token-only rebatcher (whole documents where they fit)
+            "imbalance_token_layout": _imbalance(token_layout),
         }
         for i, name in enumerate(int_names):
             record[_RECORD_KEYS.get(name, name)] = [int(row[i]) for row in ints]
@@ -291,7 +294,8 @@ class DistCACallback(TrainerCallback):
 
     @property
     def summary(self) -> dict:
-        """Mean imbalance before/after over the steps recorded by the current ``train()`` call."""
+        """Mean imbalances over the steps recorded by the current ``train()`` call: with the token-only
+        layout, with this run's layout (before planning) and after planning."""
         if not self.records:
             return {}
         n = len(self.records)
@@ -299,6 +303,7 @@ class DistCACallback(TrainerCallback):
             "steps": n,
             "imbalance_before": sum(r["imbalance_before"] for r in self.records) / n,
             "imbalance_after": sum(r["imbalance_after"] for r in self.records) / n,
+            "imbalance_token_layout": sum(r["imbalance_token_layout"] for r in self.records) / n,
             "final_loss": self.records[-1]["loss"],
         }
 

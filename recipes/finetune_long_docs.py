@@ -433,10 +433,12 @@ def finish(args, trainer, callback, tokenizer) -> dict:
             tokenizer.save_pretrained(os.path.join(args.output_dir, "model"))
     if training_args.process_index == 0:
         print(
-            f"[hf_distca] {summary.get('steps', 0)} steps on {summary['world_size']} rank(s), attn={args.attn}: "
-            f"core-attention imbalance (max/mean over ranks) {summary.get('imbalance_before', 1):.2f} without "
-            f"balancing -> {summary.get('imbalance_after', 1):.2f} "
-            f"{'with DistCA' if args.attn == 'distca' else 'in this run (no balancing)'}; final loss "
+            f"[hf_distca] {summary.get('steps', 0)} steps on {summary['world_size']} rank(s), attn={args.attn}, "
+            f"layout={args.layout}: core-attention imbalance (max/mean over ranks) "
+            f"{summary.get('imbalance_token_layout', 1):.2f} with token-only packing, "
+            f"{summary.get('imbalance_before', 1):.2f} with this layout, "
+            f"{summary.get('imbalance_after', 1):.2f} "
+            f"{'after planning' if args.attn == 'distca' else 'in this run (no planning)'}; final loss "
             f"{summary.get('final_loss')}; metrics in {metrics_path}",
             flush=True,
         )

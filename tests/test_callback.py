@@ -18,7 +18,7 @@ from transformers import (
 )
 
 import hf_distca
-from hf_distca.data import DistCABatches, layout_micro_batch
+from hf_distca.data import DistCABatches, layout_micro_batch, layout_pieces
 from hf_distca.data.synthetic import generate_documents
 from hf_distca.kernels import UnsupportedFeatureError
 from hf_distca.planning import plan_core_attention
@@ -72,7 +72,8 @@ def test_trainer_run_writes_metrics_and_plot(tmp_path):
     records = read_records(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3]
     keys = {"step", "loss", "tokens", "step_time_s", "attn_flops_before", "attn_flops_after", "imbalance_before",
-            "imbalance_after", "bytes_sent", "bytes_received", "engine_calls", "plans", "plan_seconds"}  # fmt: skip
+            "imbalance_after", "imbalance_token_layout", "bytes_sent", "bytes_received", "engine_calls", "plans",
+            "plan_seconds"}  # fmt: skip
     logged = {h["step"]: h for h in trainer.state.log_history if "loss" in h}
     for r in records:
         assert keys <= r.keys()
@@ -208,13 +209,13 @@ def test_layout_load_is_the_planner_load_before_in_every_mode():
     """The attention load without balancing (the records' attn_flops_before, whatever the attention
     mode): every rank's pieces with their full context, exactly the planner's load_before."""
     docs = generate_documents(60, vocab_size=128, seed=2, mean_length=300, max_length=1500)
-    cut = 0
+    cut = differs = 0
     for disaggregate in (True, False):
         batches = DistCABatches(docs, rank=0, world_size=3, tokens_per_rank=256, grad_accum=2, seed=5,
                                 disaggregate=disaggregate)  # fmt: skip
         yielded = iter(batches)
         for step in range(batches.steps_per_epoch):
-            load = [0.0] * 3
+            load, token_load = [0.0] * 3, [0.0] * 3
             for doc_indices in batches.step(step):
                 batch = next(yielded)
                 assert batches.current_step == step
@@ -226,8 +227,16 @@ def test_layout_load_is_the_planner_load_before_in_every_mode():
                 plan = plan_core_attention(all_pieces, q_row_bytes=1, kv_row_bytes=1)
                 load = [a + b for a, b in zip(load, plan.load_before)]
                 cut += sum(p.doc_start > 0 for pieces in all_pieces for p in pieces)
+                token_pieces = layout_pieces(
+                    [len(docs[i][:768]) for i in doc_indices], world_size=3, tokens_per_rank=256
+                )
+                token_plan = plan_core_attention(token_pieces, q_row_bytes=1, kv_row_bytes=1)
+                token_load = [a + b for a, b in zip(token_load, token_plan.load_before)]
             assert batches.layout_load(step) == load
+            assert batches.layout_load(step, layout=layout_pieces) == token_load
+            differs += token_load != load
     assert cut > 0  # documents were cut over ranks: pieces that start mid-document carry context
+    assert differs > 0  # the two layouts place some step's documents differently
 
 
 def test_tokens_per_rank_below_one_shard():

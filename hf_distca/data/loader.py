@@ -159,16 +159,17 @@ class DistCABatches(IterableDataset):
                 self.current_step = index
                 yield self.micro_batch([self.documents[i][:budget] for i in doc_indices])
 
-    def layout_load(self, index: int) -> list[int]:
+    def layout_load(self, index: int, layout: LayoutFn | None = None) -> list[int]:
         """Per rank, the causal (query, key) pairs of step ``index`` of the stream with every rank
         computing its own pieces with their full context (queries [doc_start, doc_end) of a piece
         over keys [0, doc_end)), summed over the step's micro-batches: the attention load without
-        balancing, exactly the planner's ``load_before``, whatever the attention mode."""
+        balancing, exactly the planner's ``load_before``, whatever the attention mode. ``layout``
+        prices the same documents placed by another layout (default: this stream's)."""
         budget = self.tokens_per_rank * self.world_size
         lengths = self.documents.lengths
         total = [0] * self.world_size
         for doc_indices in self.step(index):
-            pieces = self.layout(
+            pieces = (layout or self.layout)(
                 [min(lengths[i], budget) for i in doc_indices],
                 world_size=self.world_size,
                 tokens_per_rank=self.tokens_per_rank,
