@@ -345,6 +345,31 @@ def check_liger(args, use_cpu: bool, model_type: str | None = None) -> None:
         )
 
 
+def check_parallelism(args, training_args) -> None:
+    """Refuse parallelism settings a run would silently not honour.
+
+    FSDP on the CPU: Accelerate enables FSDP only on accelerator devices (its CPU processes are plain
+    ``MULTI_CPU``), so the Trainer would train with DDP whatever ``fsdp``/``fsdp_config`` or an
+    ``accelerate launch`` FSDP config asked for. A DeepSpeed config with its own ``optimizer`` section:
+    DeepSpeed builds that optimizer and ``--optim`` is ignored.
+    """
+    fsdp_asked = bool(training_args.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if fsdp_asked and training_args.use_cpu:
+        raise ValueError(
+            "FSDP needs GPUs: Accelerate turns FSDP on only for accelerator devices, and on the CPU the Trainer "
+            "would train with plain DDP instead. On the CPU use DDP (accelerate_configs/cpu_2proc.yaml or torchrun) "
+            "or DeepSpeed ZeRO-3 (--deepspeed accelerate_configs/ds_zero3.json)"
+        )
+    holder = getattr(training_args, "hf_deepspeed_config", None)
+    default_optim = build_parser().get_default("optim")
+    if holder is not None and "optimizer" in holder.config and args.optim != default_optim:
+        raise ValueError(
+            f"--optim {args.optim} would be ignored: the DeepSpeed config {args.deepspeed} defines its own "
+            f'optimizer ({holder.config["optimizer"].get("type")}). Remove its "optimizer" section (and set '
+            '"zero_allow_untested_optimizer": true) to step the Trainer\'s optimizer, or leave out --optim'
+        )
+
+
 def training_kwargs(args) -> dict:
     """The TrainingArguments of a run (also the base of recipes/sft_trl.py's SFTConfig)."""
     use_cpu = args.cpu or not torch.cuda.is_available()
@@ -378,6 +403,7 @@ def training_kwargs(args) -> dict:
 def prepare(args, training_args):
     """(tokenizer or None, tokenized documents, model, DistCACallback) of a run."""
     check_liger(args, training_args.use_cpu)
+    check_parallelism(args, training_args)
     tokenizer = None
     if args.doc_lengths:
         if args.dataset:
@@ -425,6 +451,8 @@ def finish(args, trainer, callback, tokenizer) -> dict:
         world_size=training_args.world_size,
         attn=args.attn,
         layout=args.layout,
+        # the engine the Trainer trained: DistributedDataParallel, DeepSpeedEngine, an FSDP2 model class, ...
+        wrapped=type(trainer.model_wrapped).__name__,
         peak_memory_gib=peak_memory_gib(training_args.world_size),
     )
     if not args.no_save:

@@ -1,0 +1,255 @@
+"""DistCA under parameter-sharding parallelisms on 2 CPU processes (gloo, fp32) equals 1 process.
+
+DeepSpeed ZeRO-3: ``recipes/finetune_long_docs.py --deepspeed`` (the repository's
+``accelerate_configs/ds_zero3.json`` with the Trainer's optimizer instead of its AdamW), ping-pong off and
+on, documents cut over the ranks, gradient accumulation: the same per-step losses and the same final
+(gathered, saved) weights as the single-process run on the same global batches (``--tokens-per-rank 2T``
+on 1 process, ``T`` on 2).
+
+FSDP2: Accelerate (1.15) turns FSDP on only for accelerator devices (``MULTI_GPU``, ...); on the CPU the
+Trainer trains with DDP whatever ``fsdp``/``fsdp_config`` or an ``accelerate launch`` FSDP config asks
+for, so the recipe refuses that combination (tested below) instead of reporting DDP results as FSDP2
+ones. What runs on the CPU is torch's ``fully_shard`` itself around a model with DistCA attention, in the
+training loop of ``recipes/accelerate_loop.py``, against the unsharded single-process run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from tolerances import TOL
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPES = os.path.join(ROOT, "recipes")
+BUDGET = 2048  # tokens per micro-batch over all ranks
+COMMON = [
+    "--max-steps", "2", "--grad-accum", "2", "--optim", "sgd", "--learning-rate", "0.5",
+    "--num-documents", "60", "--mean-doc-words", "300", "--max-doc-words", "1500",
+    "--shard-tokens", "64", "--seed", "3",
+]  # fmt: skip
+
+
+def _launch(world: int, runs: list, tmp_path) -> None:
+    """One torchrun launch of ``world`` processes running ``runs`` ([recipe, argv] pairs) in turn."""
+    spec = tmp_path / f"runs{world}.json"
+    spec.write_text(json.dumps(runs))
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+        os.path.join(ROOT, "tests", "run_recipes.py"), str(spec),
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{world} process(es):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+def _results(out) -> tuple[list[dict], dict[str, torch.Tensor], dict]:
+    from safetensors.torch import load_file
+
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    weights = load_file(str(out / "model" / "model.safetensors"))
+    return records, weights, json.loads((out / "summary.json").read_text())
+
+
+def _zero3_sgd_config(path) -> str:
+    """accelerate_configs/ds_zero3.json without its optimizer section: DeepSpeed then steps the Trainer's
+    optimizer (the recipe's ``--optim sgd``, as the reference run) instead of AdamW."""
+    with open(os.path.join(ROOT, "accelerate_configs", "ds_zero3.json")) as f:
+        config = json.load(f)
+    assert config["zero_optimization"]["stage"] == 3
+    del config["optimizer"]
+    config["zero_allow_untested_optimizer"] = True  # a torch optimizer on ZeRO's flat fp32 partitions
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.mark.slow
+def test_zero3_recipe_matches_one_process(tmp_path):
+    ds_config = _zero3_sgd_config(tmp_path / "zero3_sgd.json")
+    reference = tmp_path / "reference"
+    _launch(1, [["finetune_long_docs.py", [*COMMON, "--tokens-per-rank", str(BUDGET), "--output-dir",
+                                           str(reference)]]], tmp_path)  # fmt: skip
+    modes = {"serial": "--no-ping-pong", "ping_pong": "--ping-pong"}
+    _launch(2, [
+        ["finetune_long_docs.py", [*COMMON, "--tokens-per-rank", str(BUDGET // 2), "--deepspeed", ds_config, flag,
+                                   "--output-dir", str(tmp_path / name)]]
+        for name, flag in modes.items()
+    ], tmp_path)  # fmt: skip
+    ref_records, ref_weights, ref_summary = _results(reference)
+    assert ref_summary["world_size"] == 1 and [r["step"] for r in ref_records] == [1, 2]
+    runs = {name: _results(tmp_path / name) for name in modes}
+    for name, (records, weights, summary) in runs.items():
+        # DeepSpeed trained (parameters partitioned over the 2 ranks), not DDP
+        assert summary["world_size"] == 2 and summary["wrapped"] == "DeepSpeedEngine", (name, summary)
+        assert [r["step"] for r in records] == [1, 2], name
+        for got, want in zip(records, ref_records, strict=True):
+            assert got["tokens"] == want["tokens"] == BUDGET * 2
+            loss_tol = TOL["train_loss"][0] * abs(want["loss"])
+            assert abs(got["loss"] - want["loss"]) <= loss_tol, (name, got, want)
+            # documents cut over ranks: the engine communicated
+            assert sum(got["bytes_sent"]) > 0, (name, got)
+        assert weights.keys() == ref_weights.keys()
+        for key, w in weights.items():
+            torch.testing.assert_close(
+                w, ref_weights[key], rtol=0, atol=TOL["train_weights"][1], msg=f"{name} {key}"
+            )
+    # ping-pong ran: two server kernels per layer where the serial run has one
+    for got, want in zip(runs["ping_pong"][0], runs["serial"][0], strict=True):
+        assert sum(got["attn_fwd_kernels"]) > sum(want["attn_fwd_kernels"]), (got, want)
+    # the run learned something
+    assert ref_records[-1]["loss"] < ref_records[0]["loss"]
+
+
+# ------------------------------------------------ FSDP2 (torch's fully_shard) in a plain training loop
+LOOP_TOKENS = 1024  # tokens per micro-batch over all ranks
+LOOP_STEPS, LOOP_ACCUM = 2, 2
+
+
+def _train_loop(rank: int, world: int, ping_pong: bool, shard: bool) -> dict:
+    """The training loop of recipes/accelerate_loop.py (same global batches on any world size, loss
+    token-weighted over the whole global batch) with the model sharded by FSDP2 when ``shard``.
+
+    Returns the per-step losses, the full final weights (gathered from the shards) and the engine's
+    counters of the run."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    import hf_distca
+    from hf_distca import metrics
+    from hf_distca.data import DistCABatches, DistCADataLoader, generate_documents
+
+    documents = generate_documents(60, vocab_size=256, seed=3, mean_length=300, max_length=1000)
+    batches = DistCABatches(documents, rank=rank, world_size=world, tokens_per_rank=LOOP_TOKENS // world,
+                            grad_accum=LOOP_ACCUM, seed=3, max_steps=LOOP_STEPS)  # fmt: skip
+    torch.manual_seed(3)  # the same initial weights on every rank and in the reference
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192)  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="distca")
+    hf_distca.enable_distca(
+        model,
+        group=dist.group.WORLD if world > 1 else None,
+        config=hf_distca.DistCAConfig(shard_tokens=64, ping_pong=ping_pong),
+    )
+    if shard:  # one FSDP2 unit per decoder layer, the rest (embeddings, norm, head) in the root unit
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    metrics.reset()
+    losses = []
+    micro = iter(DistCADataLoader(batches))
+    for _ in range(LOOP_STEPS):
+        step_batches = [next(micro) for _ in range(LOOP_ACCUM)]
+        total = torch.tensor(sum(int(b["shift_labels"].ne(-100).sum()) for b in step_batches))
+        if world > 1:
+            dist.all_reduce(total)
+        step_loss = torch.zeros(())
+        for i, batch in enumerate(step_batches):
+            if shard:  # gradients accumulate unsharded; reduce-scattered once, after the last micro-batch
+                model.set_requires_gradient_sync(i == LOOP_ACCUM - 1)
+            out = model(**batch, num_items_in_batch=int(total))
+            # FSDP2 averages gradients over ranks; scale so the sum over ranks is the global mean
+            (out.loss * world).backward()
+            step_loss += out.loss.detach()
+        optimizer.step()
+        optimizer.zero_grad()
+        if world > 1:
+            dist.all_reduce(step_loss)
+        losses.append(float(step_loss))
+    stats = metrics.snapshot(reset=True)
+    sharded = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
+    weights = {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in model.named_parameters()
+    }
+    return {"losses": losses, "weights": weights, "sharded": sharded, "bytes_sent": stats.bytes_sent,
+            "attn_fwd_kernels": stats.attn_fwd_kernels}  # fmt: skip
+
+
+def _fsdp2_worker(rank: int, world: int) -> dict:
+    return {pp: _train_loop(rank, world, ping_pong=pp, shard=True) for pp in (False, True)}
+
+
+@pytest.mark.slow
+def test_fsdp2_loop_matches_one_process():
+    """DistCA attention in a model sharded by FSDP2 (fully_shard, 2 gloo processes, gradient accumulation,
+    ping-pong off and on) trains the losses and final weights of the unsharded single-process run.
+
+    The Trainer cannot run FSDP on the CPU (see the module docstring), so this is FSDP2 without Accelerate:
+    the composition itself (parameters all-gathered around DistCA's exchanges, gradients reduce-scattered)."""
+    from distributed import run_distributed
+
+    reference = _train_loop(0, 1, ping_pong=False, shard=False)
+    results = run_distributed(_fsdp2_worker, 2, timeout=600.0)
+    assert len(reference["losses"]) == LOOP_STEPS and reference["losses"][-1] < reference["losses"][0]
+    for rank, runs in enumerate(results):
+        for pp, run in runs.items():
+            # FSDP2 sharded every parameter
+            assert len(run["sharded"]) == len(run["weights"]), (rank, pp, run["sharded"])
+            for got, want in zip(run["losses"], reference["losses"], strict=True):
+                loss_tol = TOL["train_loss"][0] * abs(want)
+                assert abs(got - want) <= loss_tol, (rank, pp, run["losses"], reference["losses"])
+            assert run["bytes_sent"] > 0, (rank, pp)  # documents cut over ranks: the engine communicated
+            for name, w in run["weights"].items():
+                want = reference["weights"][name]
+                msg = f"rank {rank}, ping_pong={pp}: {name}"
+                torch.testing.assert_close(w, want, rtol=0, atol=TOL["train_weights"][1], msg=msg)
+        # ping-pong ran: two server kernels per layer where the serial run has one
+        kernels = {pp: run["attn_fwd_kernels"] for pp, run in runs.items()}
+        assert kernels[True] > kernels[False], (rank, kernels)
+
+
+def _recipe():
+    sys.path.insert(0, RECIPES)
+    import finetune_long_docs
+
+    return finetune_long_docs
+
+
+def test_recipe_refuses_fsdp_on_cpu(tmp_path, monkeypatch):
+    """On the CPU Accelerate would train DDP for an FSDP request (TrainingArguments' fsdp or an accelerate
+    launch FSDP config, which reaches the processes as ACCELERATE_USE_FSDP): a clear error instead."""
+    from transformers import TrainingArguments
+
+    recipe = _recipe()
+    args = recipe.parse_args(["--output-dir", str(tmp_path)])
+    plain = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    recipe.check_parallelism(args, plain)  # DDP on the CPU: fine
+    fsdp2 = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], fsdp="full_shard",
+                              fsdp_config={"version": 2})  # fmt: skip
+    with pytest.raises(ValueError, match="FSDP needs GPUs"):
+        recipe.check_parallelism(args, fsdp2)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(ValueError, match="FSDP needs GPUs"):
+        recipe.check_parallelism(args, plain)
+
+
+def test_recipe_refuses_optim_that_deepspeed_would_ignore(tmp_path):
+    """accelerate_configs/ds_zero3.json names its own optimizer (AdamW): with it, --optim sgd would silently
+    train AdamW (at SGD's learning rate); without an optimizer section --optim is honoured."""
+    pytest.importorskip("deepspeed")
+    from transformers import TrainingArguments
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    recipe = _recipe()
+    repo_config = os.path.join(ROOT, "accelerate_configs", "ds_zero3.json")
+    try:
+        for config, optim, refused in ((repo_config, "sgd", True), (repo_config, None, False),
+                                       (_zero3_sgd_config(tmp_path / "sgd.json"), "sgd", False)):  # fmt: skip
+            optim_argv = ["--optim", optim] if optim else []
+            argv = ["--output-dir", str(tmp_path), "--deepspeed", config, *optim_argv]
+            args = recipe.parse_args(argv)
+            training_args = TrainingArguments(**recipe.training_kwargs(args))
+            if refused:
+                with pytest.raises(ValueError, match="--optim sgd would be ignored"):
+                    recipe.check_parallelism(args, training_args)
+            else:
+                recipe.check_parallelism(args, training_args)
+    finally:
+        unset_hf_deepspeed_config()  # the DeepSpeed config must not leak into later tests of this process
