@@ -182,3 +182,38 @@ def tiny_qwen3_next(attn_implementation: str, dtype=torch.float64, seed: int = 0
 def qwen3_next_documents(lengths: Sequence[int], seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed + 1000)
     return [torch.randint(0, QWEN3_NEXT_VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
+# ------------------------------------------------------------------------------------ tiny OLMo-hybrid
+def tiny_olmo_hybrid(attn_implementation: str, dtype=torch.float64, seed: int = 0, **overrides):
+    """A 3-layer OLMo-hybrid (gated DeltaNet, full attention, gated DeltaNet; conv kernel 4; 2 value heads
+    per key head; beta doubled: ``linear_allow_neg_eigval``), random init, CPU; ``overrides`` replace config
+    fields. Decays drawn as slow as the tiny Qwen3-Next's (A in [0.02, 0.5])."""
+    from transformers import AutoModelForCausalLM, OlmoHybridConfig
+
+    fields = dict(
+        vocab_size=QWEN3_NEXT_VOCAB,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=6,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_a_log_min=0.02,
+        linear_a_log_max=0.5,
+        linear_allow_neg_eigval=True,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        max_position_embeddings=4096,
+        pad_token_id=0,
+        eos_token_id=1,
+        use_cache=False,
+        initializer_range=0.2,
+    )
+    config = OlmoHybridConfig(**{**fields, **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    return model.to(dtype)

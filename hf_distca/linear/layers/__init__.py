@@ -5,9 +5,10 @@ so :func:`enable_linear_attention_sp` swaps each supported module instance of a 
 that shares its parameters and buffers (same names: checkpoints load and save unchanged). Softmax layers
 are untouched: give them ``attn_implementation="distca"`` and :func:`hf_distca.enable_distca`.
 
-Supported: MiniMax (``MiniMaxLightningAttention``) and Qwen3-Next (``Qwen3NextGatedDeltaNet``; its decoder
-layer also gets a forward pre-hook that passes ``position_ids`` on to the replacement, see
-:func:`hf_distca.linear.layers.qwen3_next.pass_position_ids`).
+Supported: MiniMax (``MiniMaxLightningAttention``), Qwen3-Next (``Qwen3NextGatedDeltaNet``) and OLMo-hybrid
+(``OlmoHybridGatedDeltaNet``); the decoder layer of a gated DeltaNet also gets a forward pre-hook that
+passes ``position_ids`` on to the replacement, see
+:func:`hf_distca.linear.layers.gated_deltanet.pass_position_ids`.
 """
 
 from __future__ import annotations
@@ -15,11 +16,15 @@ from __future__ import annotations
 from torch import nn
 
 from hf_distca.linear.config import LinearSPConfig
+from hf_distca.linear.layers.gated_deltanet import GatedDeltaNetSP, pass_position_ids
 from hf_distca.linear.layers.minimax import MiniMaxLightningAttentionSP
-from hf_distca.linear.layers.qwen3_next import Qwen3NextGatedDeltaNetSP, pass_position_ids
+from hf_distca.linear.layers.olmo_hybrid import OlmoHybridGatedDeltaNetSP
+from hf_distca.linear.layers.qwen3_next import Qwen3NextGatedDeltaNetSP
 
 __all__ = [
+    "GatedDeltaNetSP",
     "MiniMaxLightningAttentionSP",
+    "OlmoHybridGatedDeltaNetSP",
     "Qwen3NextGatedDeltaNetSP",
     "enable_linear_attention_sp",
     "supported_linear_modules",
@@ -29,11 +34,13 @@ __all__ = [
 def supported_linear_modules() -> dict[type, type]:
     """Transformers linear-attention classes that have a sequence-parallel replacement -> replacement."""
     from transformers.models.minimax.modeling_minimax import MiniMaxLightningAttention
+    from transformers.models.olmo_hybrid.modeling_olmo_hybrid import OlmoHybridGatedDeltaNet
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
     return {
         MiniMaxLightningAttention: MiniMaxLightningAttentionSP,
         Qwen3NextGatedDeltaNet: Qwen3NextGatedDeltaNetSP,
+        OlmoHybridGatedDeltaNet: OlmoHybridGatedDeltaNetSP,
     }
 
 
@@ -55,14 +62,15 @@ def enable_linear_attention_sp(model: nn.Module, *, group=None, config: LinearSP
             elif type(child) in replacements:
                 replacement = replacements[type(child)](child, group=group, config=config)
                 setattr(parent, name, replacement)
-                if isinstance(replacement, Qwen3NextGatedDeltaNetSP):
+                if isinstance(replacement, GatedDeltaNetSP):
                     pass_position_ids(parent)  # its decoder layer keeps position_ids to itself
                 count += 1
     if count == 0:
         names = ", ".join(cls.__name__ for cls in replacements)
         raise ValueError(
             f"{type(model).__name__} has no supported linear-attention module (supported: {names}); "
-            "hybrid models such as MiniMax (MiniMaxForCausalLM) and Qwen3-Next (Qwen3NextForCausalLM) are"
+            "load a hybrid model with one of these layers (MiniMaxForCausalLM, Qwen3NextForCausalLM, "
+            "OlmoHybridForCausalLM); softmax-only models need only attn_implementation='distca'"
         )
     if getattr(model, "config", None) is not None:
         model.config.use_cache = False

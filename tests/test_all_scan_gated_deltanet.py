@@ -1,10 +1,12 @@
-"""Qwen3-Next (gated DeltaNet + a short causal convolution) with documents cut across ranks.
+"""Gated DeltaNet hybrids (Qwen3-Next, OLMo-hybrid: a short causal convolution + the gated delta rule) with
+documents cut across ranks.
 
 CPU-only, gloo, one spawn per world size (2 and 4) running every case:
 - the halo exchange: ``causal_conv_pieces`` on every rank's pieces (zigzag layouts, pieces shorter than
   the K - 1 halo so one halo spans several pieces and ranks, a subgroup without rank 0) against
   ``F.conv1d`` on the uncut documents, outputs and the gradients of x, weight and bias;
-- the model: a tiny Qwen3-Next (gated DeltaNet, full attention, gated DeltaNet; MoE) with documents cut
+- the models: a tiny Qwen3-Next (gated DeltaNet, full attention, gated DeltaNet; MoE) on 2 and 4 ranks and a
+  tiny OLMo-hybrid (the same layer pattern, separate projections, beta doubled) on 2, with documents cut
   across ranks by ``DistCABatches``: full-attention layers through attn_implementation="distca", gated
   DeltaNet layers through the halo exchange and the dense-transition All-Scan; the loss and every
   parameter gradient (summed over ranks) against (1) Transformers' own unmodified model run document by
@@ -18,7 +20,7 @@ import importlib.util
 import pytest
 import torch
 import torch.nn.functional as F
-from all_scan_cases import doc_lengths_of, qwen3_next_documents, rank_rows, tiny_qwen3_next
+from all_scan_cases import doc_lengths_of, qwen3_next_documents, rank_rows, tiny_olmo_hybrid, tiny_qwen3_next
 from distributed import run_distributed
 from tolerances import TOL
 
@@ -49,6 +51,7 @@ HALO_LAYOUTS = {
     },
 }
 MODEL_DOCS = {2: ([130, 30, 20], 90), 4: ([130, 30, 20], 45)}  # (document lengths, tokens per rank)
+MODELS = {"qwen3-next": tiny_qwen3_next, "olmo-hybrid": tiny_olmo_hybrid}  # both take qwen3_next_documents
 
 
 def _halo_inputs(total: int, seed: int) -> dict:
@@ -80,7 +83,7 @@ def _model_case(rank: int, world: int, case: dict) -> dict:
     docs = qwen3_next_documents(case["doc_lengths"], case["seed"])
     batches = DistCABatches(docs, rank=rank, world_size=world, tokens_per_rank=case["tokens_per_rank"])
     batch = batches.micro_batch(docs)
-    model = tiny_qwen3_next("distca")
+    model = MODELS[case["arch"]]("distca")
     hf_distca.enable_distca(model, group=None, config=hf_distca.DistCAConfig(shard_tokens=16))
     replaced = enable_linear_attention_sp(model, group=None, config=LinearSPConfig(backend="reference"))
     if case["checkpointing"]:
@@ -159,12 +162,12 @@ def _without_halo_effect(layout, seed: int, rank: int) -> float:
     return float((alone - _conv_oracle(layout, seed)["out"][rows]).abs().max()) if len(rows) else 0.0
 
 
-def _reference_model_run(docs: list[list[int]], replaced: bool) -> tuple[torch.Tensor, dict]:
+def _reference_model_run(arch: str, docs: list[list[int]], replaced: bool) -> tuple[torch.Tensor, dict]:
     """Loss (mean over every next-token target) and parameter gradients of a one-process run, each
     document its own sequence: Transformers' own model, or the replaced one."""
     from hf_distca.linear.layers import enable_linear_attention_sp
 
-    model = tiny_qwen3_next("sdpa")
+    model = MODELS[arch]("sdpa")
     if replaced:
         enable_linear_attention_sp(model, config=LinearSPConfig(backend="reference"))
     targets = sum(len(d) - 1 for d in docs)
@@ -184,14 +187,14 @@ def _check_model(world: int, case: dict, results: list[dict]) -> None:
     assert build_halo_plan(results[0]["all_pieces"], 0, 4).any_remote, "conv rows must cross ranks"
     docs = qwen3_next_documents(case["doc_lengths"], case["seed"])
     total_loss = float(sum(r["loss"] for r in results))
-    label = f"Qwen3-Next, {world} ranks, checkpointing={case['checkpointing']}"
+    label = f"{case['arch']}, {world} ranks, checkpointing={case['checkpointing']}"
     # (1) Transformers' own modules (their delta rule in float32), (2) the replaced modules (float64 but
-    # for Qwen3-Next's float32 norms)
+    # for the gated RMS norms, which compute in float32)
     for oracle, loss_tol, grad_tol in (
         ("transformers", "train_loss", "grads"),
         ("replaced", "fp32_norms_loss", "fp32_norms_grads"),
     ):
-        loss, grads = _reference_model_run(docs, replaced=oracle == "replaced")
+        loss, grads = _reference_model_run(case["arch"], docs, replaced=oracle == "replaced")
         rtol = TOL[loss_tol][0]
         assert abs(total_loss - float(loss)) <= rtol * abs(float(loss)), (
             label,
@@ -208,18 +211,20 @@ def _check_model(world: int, case: dict, results: list[dict]) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_all_scan_qwen3_next_exact_across_ranks(world):
+def test_all_scan_gated_deltanet_exact_across_ranks(world):
     halo_cases = [
         dict(name=name, layout=layout, seed=30 + i)
         for i, (name, layout) in enumerate(HALO_LAYOUTS[world].items())
     ]
     model_cases = [
         dict(
+            arch=arch,
             doc_lengths=MODEL_DOCS[world][0],
             tokens_per_rank=MODEL_DOCS[world][1],
             seed=5,
             checkpointing=world == 4,
         )
+        for arch in (["qwen3-next", "olmo-hybrid"] if world == 2 else ["qwen3-next"])
     ]
     results = run_distributed(_worker, world, halo_cases, model_cases, timeout=SPAWN_TIMEOUT)
     for index, case in enumerate(halo_cases):
@@ -232,7 +237,8 @@ def test_all_scan_qwen3_next_exact_across_ranks(world):
     if world > 2:
         sub_layout = HALO_LAYOUTS[2]["short"] + [[]] * (world - 3)
         _check_halo(f"subgroup of {world - 1}", sub_layout, 21, [r["sub"][0] for r in results[1:]])
-    _check_model(world, model_cases[0], [r["models"][0] for r in results])
+    for index, case in enumerate(model_cases):
+        _check_model(world, case, [r["models"][index] for r in results])
 
 
 # ------------------------------------------------------------------------------ single process (no spawn)
@@ -321,3 +327,44 @@ def test_all_scan_conv_halo_bad_input_raises():
         causal_conv_pieces(x, weight, None, [(0, 0, 10)], all_pieces=[[(1, 0, 10)]])
     with pytest.raises(ValueError, match="at least one tap"):
         build_halo_plan([[(0, 0, 3)]], 0, 0)
+
+
+def test_all_scan_olmo_hybrid_wrapper_restarts_per_document():
+    """One process, no layout: the replaced OLMo-hybrid gated DeltaNet layers compute Transformers' own
+    model on each document of a packed row (position ids only, through the decoder-layer pre-hook; and
+    cu_seq_lens for a layer alone); beta is doubled as the config asks."""
+    import hf_distca
+    from hf_distca.linear.layers import OlmoHybridGatedDeltaNetSP, enable_linear_attention_sp
+
+    ref = tiny_olmo_hybrid("sdpa")
+    model = tiny_olmo_hybrid("distca")
+    assert enable_linear_attention_sp(model) == 2
+    layer = model.model.layers[2].linear_attn
+    assert isinstance(layer, OlmoHybridGatedDeltaNetSP) and layer.allow_neg_eigval
+    assert list(model.state_dict()) == list(ref.state_dict())  # checkpoints load and save unchanged
+    hf_distca.enable_distca(model, group=None, config=hf_distca.DistCAConfig(shard_tokens=16))
+    docs = qwen3_next_documents([37, 2, 20], seed=1)  # a 2-token document: shorter than the conv halo
+    ids = torch.tensor([t for d in docs for t in d])[None]
+    position_ids = torch.cat([torch.arange(len(d)) for d in docs])[None]
+    per_doc = torch.cat([ref(input_ids=torch.tensor(d)[None]).logits for d in docs], dim=1)
+    rtol, atol = TOL["logits"]
+    torch.testing.assert_close(
+        model(input_ids=ids, position_ids=position_ids).logits, per_doc, rtol=rtol, atol=atol
+    )
+    assert (
+        ref(input_ids=ids).logits - per_doc
+    ).abs().max() > 1e-2  # one sequence: differs (the test can fail)
+    cu = torch.tensor([0, 37, 39, 59], dtype=torch.int32)
+    hidden = torch.randn(1, ids.shape[1], 32, dtype=torch.float64)
+    theirs = torch.cat(
+        [ref.model.layers[2].linear_attn(hidden[:, a:b]) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())],
+        dim=1,
+    )
+    torch.testing.assert_close(
+        layer(hidden, cu_seq_lens_q=cu, cu_seq_lens_k=cu), theirs, rtol=rtol, atol=atol
+    )
+    # without the doubled beta the layer differs: the flag is honoured
+    layer.allow_neg_eigval = False
+    assert (layer(hidden, cu_seq_lens_q=cu, cu_seq_lens_k=cu) - theirs).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="use_cache=False"):
+        model(input_ids=ids, use_cache=True)
