@@ -609,7 +609,8 @@ def write_report(rows: list[Row], info: dict, args, command: str) -> str:
         "**These are simulated figures, not measurements.** They come from benchmarks/simulate.py, which "
         "prices the real layouts and the real DistCA planner's plans with measured tables; read its "
         "docstring for the model. Generated on a CPU machine "
-        f"({platform.machine()}, Python {platform.python_version()}) on {datetime.date.today().isoformat()}.",
+        f"({platform.machine()}, Python {platform.python_version()}, numpy {np.__version__}) on "
+        f"{datetime.date.today().isoformat()}.",
         "",
         f"Command: `{command}`",
         "",
