@@ -49,13 +49,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_remat import (  # noqa: E402
-    VOCAB_DOCS,
     LossModel,
     barrier,
     build_batches,
+    build_model,
     load_lengths,
     long_share,
-    recipe_model_shape,
+    select_device,
     set_mode,
     timed_steps,
 )
@@ -250,15 +250,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     global DEVICE, DTYPE
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if args.cpu:
-        DEVICE, DTYPE = torch.device("cpu"), torch.float32
-    elif torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        DEVICE = torch.device("cuda", local_rank)
-    else:
+    selected = select_device(args.cpu)
+    if selected is None:
         print("bench_ping_pong.py needs CUDA GPUs (or --cpu for a smoke test)", file=sys.stderr)
         return 2
+    DEVICE, DTYPE = selected
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world < 2:
         print("bench_ping_pong.py needs at least 2 processes (torchrun --nproc-per-node N)", file=sys.stderr)
@@ -267,16 +264,8 @@ def main(argv=None) -> int:
     rank = dist.get_rank()
     group = dist.new_group(list(range(world))) if args.attn_group == "dedicated" else dist.group.WORLD
 
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    shape = recipe_model_shape(args.model)
-    shape["num_hidden_layers"] = args.layers
-    shape.setdefault("vocab_size", VOCAB_DOCS)
-    config = LlamaConfig(**shape, tie_word_embeddings=False)
-    torch.manual_seed(args.seed)
-    with torch.device(DEVICE):
-        lm = AutoModelForCausalLM.from_config(config, attn_implementation="distca", dtype=DTYPE)
-    lm.config.use_cache = False
+    lm = build_model(args.model, args.layers, args.seed, DEVICE, DTYPE)
+    config = lm.config
     set_mode(lm, "remat" if args.checkpointing == "remat" else "none")
     lm.train()
     model = torch.nn.parallel.DistributedDataParallel(

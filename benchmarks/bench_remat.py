@@ -139,6 +139,34 @@ def barrier(device: torch.device) -> None:
         dist.barrier()
 
 
+def select_device(cpu: bool) -> tuple[torch.device, torch.dtype] | None:
+    """(device, dtype) of this benchmark process: the CPU in float32 for a smoke test, else its local
+    CUDA GPU (LOCAL_RANK) in bfloat16; None when there is no CUDA GPU."""
+    if cpu:
+        return torch.device("cpu"), torch.float32
+    if not torch.cuda.is_available():
+        return None
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank), torch.bfloat16
+
+
+def build_model(name: str, layers: int, seed: int, device: torch.device, dtype: torch.dtype):
+    """The recipe's built-in model ``name`` cut to ``layers`` decoder layers, random init from ``seed``,
+    with the ``distca`` attention, no KV cache."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    shape = recipe_model_shape(name)
+    shape["num_hidden_layers"] = layers
+    shape.setdefault("vocab_size", VOCAB_DOCS)
+    config = LlamaConfig(**shape, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        lm = AutoModelForCausalLM.from_config(config, attn_implementation="distca", dtype=dtype)
+    lm.config.use_cache = False
+    return lm
+
+
 def build_batches(
     sample: list[int],
     tokens_per_rank: int,
@@ -297,15 +325,12 @@ def main() -> int:
     )
     args = p.parse_args()
     global DEVICE, DTYPE
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if args.cpu:
-        DEVICE, DTYPE = torch.device("cpu"), torch.float32
-    elif torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        DEVICE = torch.device("cuda", local_rank)
-    else:
+    selected = select_device(args.cpu)
+    if selected is None:
         print("bench_remat.py needs CUDA GPUs (or --cpu for a smoke test)", file=sys.stderr)
         return 2
+    DEVICE, DTYPE = selected
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         backend = "gloo" if args.cpu else "nccl"
@@ -313,16 +338,8 @@ def main() -> int:
     rank = dist.get_rank() if dist.is_initialized() else 0
     group = dist.group.WORLD if dist.is_initialized() else None
 
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    shape = recipe_model_shape(args.model)
-    shape["num_hidden_layers"] = args.layers
-    shape.setdefault("vocab_size", VOCAB_DOCS)
-    config = LlamaConfig(**shape, tie_word_embeddings=False)
-    torch.manual_seed(args.seed)
-    with torch.device(DEVICE):
-        lm = AutoModelForCausalLM.from_config(config, attn_implementation="distca", dtype=DTYPE)
-    lm.config.use_cache = False
+    lm = build_model(args.model, args.layers, args.seed, DEVICE, DTYPE)
+    config = lm.config
     backends = [b for b in args.backends.split(",") if b]
     model = LossModel(lm, args.loss_chunk)
     if world > 1:
