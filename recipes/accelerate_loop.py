@@ -29,6 +29,38 @@ from hf_distca.data import DistCABatches, DistCADataLoader, documents_with_lengt
 VOCAB = 256
 
 
+def train_step(accelerator: Accelerator, model, optimizer, step_batches: list[dict]) -> float:
+    """One optimizer step over this rank's micro-batches of one global batch; returns the step's loss.
+
+    The loss is token-weighted over the whole global batch (all micro-batches, all ranks), so each
+    micro-batch's loss is divided by the global target count, never by the accumulation steps again:
+    build the Accelerator without ``gradient_accumulation_steps``. Gradients are summed locally over the
+    micro-batches and all-reduced once, with the last one."""
+    world = accelerator.num_processes
+    local = sum(int(b["shift_labels"].ne(-100).sum()) for b in step_batches)
+    total = accelerator.reduce(torch.tensor(local, device=accelerator.device), reduction="sum").item()
+    step_loss = torch.zeros((), device=accelerator.device)
+    for i, batch in enumerate(step_batches):
+        batch = {k: v.to(accelerator.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        last = i == len(step_batches) - 1
+        with contextlib.nullcontext() if last else accelerator.no_sync(model):
+            out = model(**batch, num_items_in_batch=total)
+            # DDP averages gradients over ranks; scale so the sum over ranks is the global mean
+            accelerator.backward(out.loss * world)
+        step_loss += out.loss.detach().float()
+    optimizer.step()
+    optimizer.zero_grad()
+    return accelerator.reduce(step_loss, reduction="sum").item()
+
+
+def write_losses(accelerator: Accelerator, path: str | None, losses: list[float]) -> None:
+    """The per-step losses as a JSON list at ``path`` (main process; nothing when ``path`` is None)."""
+    if accelerator.is_main_process and path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(losses, f)
+
+
 def main(argv=None) -> list[float]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens-per-rank", type=int, default=1024)
@@ -88,29 +120,12 @@ def main(argv=None) -> list[float]:
     losses = []
     micro = iter(DistCADataLoader(batches))  # already one share per rank: not sharded by Accelerate
     for _ in range(batches.steps_per_epoch):
-        step_batches = [next(micro) for _ in range(args.grad_accum)]
-        # token-weighted loss over the whole global batch (all micro-batches, all ranks)
-        local = sum(int(b["shift_labels"].ne(-100).sum()) for b in step_batches)
-        total = accelerator.reduce(torch.tensor(local, device=accelerator.device), reduction="sum").item()
-        step_loss = torch.zeros((), device=accelerator.device)
-        for i, batch in enumerate(step_batches):
-            batch = {k: v.to(accelerator.device) if torch.is_tensor(v) else v for k, v in batch.items()}
-            # gradients are summed locally over micro-batches and all-reduced once, with the last one
-            last = i == len(step_batches) - 1
-            with contextlib.nullcontext() if last else accelerator.no_sync(model):
-                out = model(**batch, num_items_in_batch=total)
-                # DDP averages gradients over ranks; scale so the sum over ranks is the global mean
-                accelerator.backward(out.loss * world)
-            step_loss += out.loss.detach()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(accelerator.reduce(step_loss, reduction="sum").item())
+        losses.append(
+            train_step(accelerator, model, optimizer, [next(micro) for _ in range(args.grad_accum)])
+        )
         if accelerator.is_main_process:
             print(f"step {len(losses)}: loss {losses[-1]:.6f}", flush=True)
-    if accelerator.is_main_process and args.losses_file:
-        os.makedirs(os.path.dirname(os.path.abspath(args.losses_file)), exist_ok=True)
-        with open(args.losses_file, "w") as f:
-            json.dump(losses, f)
+    write_losses(accelerator, args.losses_file, losses)
     accelerator.end_training()
     return losses
 

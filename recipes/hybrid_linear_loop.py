@@ -17,7 +17,6 @@ transition), built from its config with random weights (``--size tiny`` for CPU,
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -31,6 +30,9 @@ from hf_distca.data import DistCABatches, DistCADataLoader, generate_documents
 from hf_distca.linear import LinearSPConfig
 from hf_distca.linear.layers import enable_linear_attention_sp
 from hf_distca.linear.ops import chains_of
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from accelerate_loop import train_step, write_losses  # noqa: E402
 
 # random-init shapes: 3 linear-attention layers per softmax layer (MiniMax-01 uses 7 per 1, Qwen3-Next 3)
 SIZES = {
@@ -136,7 +138,8 @@ def main(argv=None) -> list[float]:
     p.add_argument("--losses-file", default=None, help="write the per-step losses here (JSON list, rank 0)")
     args = p.parse_args(argv)
 
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=args.grad_accum)
+    # gradient accumulation is train_step's (the loss is already normalized by the whole global batch)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
     world, rank = accelerator.num_processes, accelerator.process_index
     vocab = 256
     documents = generate_documents(
@@ -174,28 +177,13 @@ def main(argv=None) -> list[float]:
     micro = iter(DistCADataLoader(batches))  # already one share per rank: not sharded by Accelerate
     for _ in range(len(batches.steps)):
         step_batches = [next(micro) for _ in range(args.grad_accum)]
-        local = sum(int(b["shift_labels"].ne(-100).sum()) for b in step_batches)
-        total = accelerator.reduce(torch.tensor(local, device=accelerator.device), reduction="sum").item()
-        step_loss = torch.zeros((), device=accelerator.device)
-        for batch in step_batches:
-            cut_documents += len(chains_of(batch["distca_layout"].all_pieces))
-            batch = {k: v.to(accelerator.device) if torch.is_tensor(v) else v for k, v in batch.items()}
-            with accelerator.accumulate(model):
-                out = model(**batch, num_items_in_batch=total)
-                # DDP averages gradients over ranks; scale so the sum over ranks is the global mean
-                accelerator.backward(out.loss * world)
-                step_loss += out.loss.detach().float()
-                optimizer.step()
-                optimizer.zero_grad()
-        losses.append(accelerator.reduce(step_loss, reduction="sum").item())
+        cut_documents += sum(len(chains_of(b["distca_layout"].all_pieces)) for b in step_batches)
+        losses.append(train_step(accelerator, model, optimizer, step_batches))
         if accelerator.is_main_process:
             print(f"step {len(losses)}: loss {losses[-1]:.6f}", flush=True)
     if accelerator.is_main_process:
         print(f"documents cut across ranks: {cut_documents}", flush=True)
-    if accelerator.is_main_process and args.losses_file:
-        os.makedirs(os.path.dirname(os.path.abspath(args.losses_file)), exist_ok=True)
-        with open(args.losses_file, "w") as f:
-            json.dump(losses, f)
+    write_losses(accelerator, args.losses_file, losses)
     accelerator.end_training()
     return losses
 

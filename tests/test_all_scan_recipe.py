@@ -1,6 +1,7 @@
 """recipes/hybrid_linear_loop.py under torchrun: MiniMax (lightning + softmax attention) and Qwen3-Next (gated
-DeltaNet + softmax attention) trained on 2 CPU processes with documents cut across them equal 1 process,
-step by step (fp32, SGD, 2 micro-batches)."""
+DeltaNet + softmax attention) trained on 2 CPU processes x 2 accumulated micro-batches, with documents cut
+across them, equal 1 process with the same global batch in one micro-batch, step by step (fp32, SGD): a
+loop that divides the gradient by the accumulation steps a second time fails it from step 2."""
 
 from __future__ import annotations
 
@@ -20,12 +21,12 @@ RECIPE = os.path.join(ROOT, "recipes", "hybrid_linear_loop.py")
 @pytest.mark.parametrize("arch", ["minimax", "qwen3-next"])
 def test_all_scan_hybrid_recipe_exact_across_world_sizes(tmp_path, arch):
     losses, outputs = {}, {}
-    for world in (1, 2):
+    for world, grad_accum, tokens_per_rank in ((1, 1, 2048), (2, 2, 512)):
         out = tmp_path / f"losses{world}.json"
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-            RECIPE, "--arch", arch, "--tokens-per-rank", str(1024 // world), "--max-steps", "3", "--grad-accum", "2",
-            "--backend", "reference", "--losses-file", str(out),
+            RECIPE, "--arch", arch, "--tokens-per-rank", str(tokens_per_rank), "--max-steps", "3",
+            "--grad-accum", str(grad_accum), "--backend", "reference", "--losses-file", str(out),
         ]  # fmt: skip
         env = dict(os.environ, OMP_NUM_THREADS="1")
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
