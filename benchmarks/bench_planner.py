@@ -83,16 +83,6 @@ def global_batches(
         )
 
 
-def kv_fanout(plan) -> int:
-    """Most servers reading part of one document's KV prefix from the same holder."""
-    readers: dict[tuple[int, int], int] = {}
-    for server, prefixes in enumerate(plan.kv_prefix):
-        for doc, prefix in prefixes.items():
-            for holder in {h for h, _, _ in plan.index.segments(doc, 0, prefix)} - {server}:
-                readers[doc, holder] = readers.get((doc, holder), 0) + 1
-    return max(readers.values(), default=0)
-
-
 def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -215,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
                 if link is not None:
                     reference = plan(pieces, balance_only)
                     row += [planned.critical_path_before * 1e3, plan_critical_path(reference, link) * 1e3,
-                            planned.critical_path_after * 1e3, kv_fanout(reference), kv_fanout(planned)]  # fmt: skip
+                            planned.critical_path_after * 1e3, simulate.kv_fanout(reference), simulate.kv_fanout(planned)]  # fmt: skip
                 rows.append(row)
             med = [statistics.median(c) for c in zip(*rows)]
             line = (

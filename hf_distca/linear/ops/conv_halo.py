@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hf_distca.comm import all_to_all_v
-from hf_distca.planning.pieces import PieceError
+from hf_distca.linear.ops.scan_plan import document_runs
 
 __all__ = ["HaloPlan", "build_halo_plan", "causal_conv_pieces"]
 
@@ -45,44 +45,15 @@ class HaloPlan:
     """Whether any rank of the layout needs a row from another rank (the same answer on every rank)."""
 
 
-def _check_tiling(all_pieces) -> dict[int, list[tuple[int, int, int, int]]]:
-    """Per document: (doc_start, length, rank, local row start) of its non-empty pieces, sorted."""
-    by_doc: dict[int, list[tuple[int, int, int, int]]] = {}
-    for rank, pieces in enumerate(all_pieces):
-        offset = 0
-        for index, raw in enumerate(pieces):
-            if len(raw) != 3:
-                raise PieceError(
-                    f"rank {rank} piece {index} must be (doc_id, doc_start, length), got {raw!r}"
-                )
-            doc, start, length = (int(x) for x in raw)
-            if length < 0 or start < 0:
-                raise PieceError(f"rank {rank} piece {index} {tuple(raw)} has a negative start or length")
-            if length > 0:
-                by_doc.setdefault(doc, []).append((start, length, rank, offset))
-            offset += length
-    for doc, runs in by_doc.items():
-        runs.sort()
-        pos = 0
-        for start, length, rank, _ in runs:
-            if start != pos:
-                raise PieceError(
-                    f"document {doc}: a piece on rank {rank} starts at {start} but the pieces before it end at "
-                    f"{pos}; the pieces of every rank together must tile each document from 0"
-                )
-            pos += length
-    return by_doc
-
-
 @lru_cache(maxsize=64)
 def _build(all_pieces: tuple, rank: int, kernel_size: int) -> HaloPlan:
     world = len(all_pieces)
-    by_doc = _check_tiling(all_pieces)
+    by_doc = document_runs(all_pieces)
     halo = kernel_size - 1
 
     def owner(doc: int, position: int) -> tuple[int, int]:
         """(rank, local row) holding ``position`` of ``doc``."""
-        for start, length, r, offset in by_doc[doc]:
+        for start, length, r, _, offset in by_doc[doc]:
             if start <= position < start + length:
                 return r, offset + position - start
         raise AssertionError("positions before a piece are tiled by earlier pieces")

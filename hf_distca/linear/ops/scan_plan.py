@@ -79,9 +79,12 @@ class ScanPlan:
         return bool(self.chains)
 
 
-def chains_of(all_pieces: Sequence[Sequence[Sequence[int]]]) -> list[list[tuple[int, int, int]]]:
-    """Per cut document (sorted by id), its pieces in document order as (rank, local index, local row
-    start). Raises PieceError when a document's pieces overlap, leave a gap or do not start at 0."""
+def document_runs(
+    all_pieces: Sequence[Sequence[Sequence[int]]],
+) -> dict[int, list[tuple[int, int, int, int, int]]]:
+    """Per document, its non-empty pieces in document order as (doc_start, length, rank, local index,
+    local row start). Raises PieceError when a piece is malformed, or a document's pieces overlap, leave a
+    gap or do not start at 0."""
     by_doc: dict[int, list[tuple[int, int, int, int, int]]] = {}
     for rank, pieces in enumerate(all_pieces):
         offset = 0
@@ -96,9 +99,8 @@ def chains_of(all_pieces: Sequence[Sequence[Sequence[int]]]) -> list[list[tuple[
             if length > 0:
                 by_doc.setdefault(doc, []).append((start, length, rank, index, offset))
             offset += length
-    chains = []
-    for doc in sorted(by_doc):
-        runs = sorted(by_doc[doc])
+    for doc, runs in by_doc.items():
+        runs.sort()
         pos = 0
         for start, length, rank, index, _ in runs:
             if start != pos:
@@ -107,9 +109,18 @@ def chains_of(all_pieces: Sequence[Sequence[Sequence[int]]]) -> list[list[tuple[
                     f"it end at {pos}; the pieces of every rank together must tile each document from 0"
                 )
             pos += length
-        if len(runs) > 1:
-            chains.append([(rank, index, offset) for _, _, rank, index, offset in runs])
-    return chains
+    return by_doc
+
+
+def chains_of(all_pieces: Sequence[Sequence[Sequence[int]]]) -> list[list[tuple[int, int, int]]]:
+    """Per cut document (sorted by id), its pieces in document order as (rank, local index, local row
+    start). Raises PieceError as :func:`document_runs`."""
+    by_doc = document_runs(all_pieces)
+    return [
+        [(rank, index, offset) for _, _, rank, index, offset in by_doc[doc]]
+        for doc in sorted(by_doc)
+        if len(by_doc[doc]) > 1
+    ]
 
 
 @lru_cache(maxsize=64)
