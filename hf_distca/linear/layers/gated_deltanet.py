@@ -33,10 +33,10 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from hf_distca.linear.config import LinearSPConfig
+from hf_distca.linear.layers.rows import cu_seqlens_of, input_pieces
 from hf_distca.linear.ops.conv_halo import causal_conv_pieces
 from hf_distca.linear.ops.local import recurrence, resolve_backend
 from hf_distca.linear.ops.sequence_parallel import linear_attention
-from hf_distca.packing import packed_document_lengths
 
 __all__ = ["POSITION_IDS_KWARG", "GatedDeltaNetSP", "pass_position_ids"]
 
@@ -157,27 +157,11 @@ class GatedDeltaNetSP(nn.Module, abc.ABC):
         mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
         if mask is not None:  # padding rows project to zero and add nothing to the conv or the state
             hidden_states = (hidden_states * mask[:, :, None]).to(hidden_states.dtype)
-        layout = kwargs.get("distca_layout")
-        if layout is not None:
-            if batch != 1 or (mask is not None and not bool(mask.bool().all())):
-                raise ValueError(
-                    "with a distca_layout the batch must be one unpadded packed row (1, S), got "
-                    f"({batch}, {seq}){' with padding' if mask is not None else ''}"
-                )
-            pieces, all_pieces, group = layout.pieces, layout.all_pieces, self.linear_sp_group
-        else:
-            if mask is not None:  # padded batch: each row is one document
-                lengths = [seq] * batch
-            else:  # documents from cu_seq_lens, else position ids (see pass_position_ids), else rows
-                lengths = packed_document_lengths(
-                    batch,
-                    seq,
-                    cu_seq_lens_q=kwargs.get("cu_seq_lens_q"),
-                    cu_seq_lens_k=kwargs.get("cu_seq_lens_k"),
-                    position_ids=kwargs.get(POSITION_IDS_KWARG),
-                )
-            pieces = [(doc, 0, int(n)) for doc, n in enumerate(lengths)]
-            all_pieces, group = None, None  # every document whole on this rank: no communication
+        # documents from the layout, cu_seq_lens, the position ids pass_position_ids hands over, or rows
+        pieces, all_pieces = input_pieces(
+            batch, seq, mask=mask, kwargs=kwargs, position_ids=kwargs.get(POSITION_IDS_KWARG)
+        )
+        group = self.linear_sp_group if all_pieces is not None else None  # None: no communication
 
         flat = hidden_states.reshape(batch * seq, -1)  # (N, hidden): rows flattened, one packed stream
         mixed, gate, b, a = self.project(flat)  # (N, conv_dim), (N, Hv, Dv), (N, Hv), (N, Hv)
@@ -204,7 +188,7 @@ class GatedDeltaNetSP(nn.Module, abc.ABC):
             a.to(state_dtype) + self.dt_bias
         )  # (N, Hv)
         scale = self.head_k_dim**-0.5
-        if layout is not None:
+        if all_pieces is not None:
             core = linear_attention(
                 q,
                 k,
@@ -218,11 +202,15 @@ class GatedDeltaNetSP(nn.Module, abc.ABC):
                 config=self.linear_sp_config,
             )  # (N, Hv, Dv)
         else:
-            cu = [0]
-            for _, _, length in pieces:
-                cu.append(cu[-1] + length)
             core, _ = recurrence(
-                q, k, v, cu_seqlens=cu, log_decay=log_decay, beta=beta, scale=scale, backend=backend
+                q,
+                k,
+                v,
+                cu_seqlens=cu_seqlens_of(pieces),
+                log_decay=log_decay,
+                beta=beta,
+                scale=scale,
+                backend=backend,
             )
         core = core.to(hidden_states.dtype)
         core = self.gated_norm(

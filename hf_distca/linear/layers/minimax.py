@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hf_distca.linear.config import LinearSPConfig
+from hf_distca.linear.layers.rows import cu_seqlens_of, input_pieces
 from hf_distca.linear.ops.local import recurrence
 from hf_distca.linear.ops.sequence_parallel import linear_attention
-from hf_distca.packing import packed_document_lengths
 
 __all__ = ["MiniMaxLightningAttentionSP"]
 
@@ -74,40 +74,30 @@ class MiniMaxLightningAttentionSP(nn.Module):
         qkv = qkv.view(batch * seq, heads, 3 * dim)  # (B * S, H, 3D): rows flattened, one packed stream
         q, k, v = torch.split(qkv, dim, dim=-1)  # (B * S, H, D) each
         log_decay = -self.slope_rate.reshape(heads)  # (H,): per-head constant decay exp(-slope)
-        layout = kwargs.get("distca_layout")
-        if layout is not None:
-            if batch != 1 or (mask is not None and not bool(mask.bool().all())):
-                raise ValueError(
-                    "with a distca_layout the batch must be one unpadded packed row (1, S), got "
-                    f"({batch}, {seq}){' with padding' if mask is not None else ''}"
-                )
+        pieces, all_pieces = input_pieces(
+            batch, seq, mask=mask, kwargs=kwargs, position_ids=kwargs.get("position_ids")
+        )
+        if all_pieces is not None:
             out = linear_attention(
                 q,
                 k,
                 v,
-                layout.pieces,
+                pieces,
                 log_decay=log_decay,
                 scale=1.0,
                 group=self.linear_sp_group,
-                all_pieces=layout.all_pieces,
+                all_pieces=all_pieces,
                 config=self.linear_sp_config,
             )
         else:
-            if mask is not None:  # padded batch: each row is one document (padding contributes zero)
-                lengths = [seq] * batch
-            else:
-                lengths = packed_document_lengths(
-                    batch,
-                    seq,
-                    cu_seq_lens_q=kwargs.get("cu_seq_lens_q"),
-                    cu_seq_lens_k=kwargs.get("cu_seq_lens_k"),
-                    position_ids=kwargs.get("position_ids"),
-                )
-            cu = [0]
-            for n in lengths:
-                cu.append(cu[-1] + int(n))
             out, _ = recurrence(
-                q, k, v, cu_seqlens=cu, log_decay=log_decay, scale=1.0, backend=self.linear_sp_config.backend
+                q,
+                k,
+                v,
+                cu_seqlens=cu_seqlens_of(pieces),
+                log_decay=log_decay,
+                scale=1.0,
+                backend=self.linear_sp_config.backend,
             )
         out = out.reshape(batch, seq, heads * dim)  # (B, S, H * D)
         out = self.norm(out)
