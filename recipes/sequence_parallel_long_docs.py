@@ -140,15 +140,11 @@ def all_to_all_bytes(config, tokens_per_rank: int, sp: int, element_bytes: int, 
 
 
 class SequenceParallelTrainer(Trainer):
-    """The Trainer with steps in dataset order (the suite's step ``i`` is the documents' step ``i``) and the
-    micro-batch losses kept unrounded for the metrics."""
+    """The Trainer with the micro-batch losses kept unrounded for the metrics."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.micro_batch_losses: list[float] = []
-
-    def _get_train_sampler(self, train_dataset=None):
-        return torch.utils.data.SequentialSampler(train_dataset or self.train_dataset)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch=num_items_in_batch)
@@ -217,6 +213,7 @@ def parallelism_config(args, world: int):
 
 def training_kwargs(args, world: int) -> dict:
     kwargs = base.training_kwargs(args)
+    kwargs["train_sampling_strategy"] = "sequential"  # the suite's step i is the documents' step i
     kwargs["parallelism_config"] = parallelism_config(args, world)
     if args.parallelism == "ulysses":
         kwargs["deepspeed"] = dict(ZERO3)
