@@ -42,6 +42,7 @@ import datetime
 import gzip
 import json
 import os
+import shlex
 import sys
 
 import torch
@@ -350,7 +351,7 @@ def _timeline_rows(calls: list[dict], layers: int) -> list[str]:
 
 
 def report(results: dict, args, world: int, config) -> str:
-    cmd = " ".join(["torchrun", f"--nproc-per-node {world}", *sys.argv])
+    cmd = " ".join(["torchrun", f"--nproc-per-node {world}", shlex.join(sys.argv)])  # empty values quoted
     device = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "CPU (smoke test)"
     env = []
     if DEVICE.type == "cuda":

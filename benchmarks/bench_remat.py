@@ -31,6 +31,7 @@ import datetime
 import importlib.util
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -290,7 +291,8 @@ def long_share(batches, threshold: int = 16384) -> float:
     return long_tokens / max(total, 1)
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """bench_remat's options (also read by check_simulator.py from a results table's command)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama3-8b-shaped", help="a built-in model of the recipe")
     p.add_argument("--layers", type=int, default=8)
@@ -323,6 +325,11 @@ def main() -> int:
     p.add_argument(
         "--cpu", action="store_true", help="smoke test on the CPU (gloo, float32; no memory figures)"
     )
+    return p
+
+
+def main() -> int:
+    p = build_parser()
     args = p.parse_args()
     global DEVICE, DTYPE
     selected = select_device(args.cpu)
@@ -417,7 +424,7 @@ def write_outputs(results: dict, args, world: int, config, render=None) -> str:
 
 
 def report(results: dict, args, world: int, config) -> str:
-    cmd = " ".join(["torchrun", f"--nproc-per-node {world}", *sys.argv])
+    cmd = " ".join(["torchrun", f"--nproc-per-node {world}", shlex.join(sys.argv)])  # empty values quoted
     device = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "CPU (smoke test)"
     lines = [
         f"## Checkpointing modes, {world} x {device}, {args.model} ({args.layers} layers)",

@@ -117,15 +117,7 @@ def bench_args(command: str) -> argparse.Namespace:
     """The bench_remat options of a table's command that decide which micro-batches ran."""
     words = shlex.split(command)
     words = words[next(i for i, w in enumerate(words) if w.endswith("bench_remat.py")) + 1 :]
-    p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--tokens-per-rank", type=int, default=65536)
-    p.add_argument("--doc-lengths", action="append", default=None)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--layout", default="distca")
-    p.add_argument("--model", default="llama3-8b-shaped")
+    p = bench_remat.build_parser()
     args, _ = p.parse_known_args(words)
     return args
 
@@ -224,12 +216,7 @@ def check(measured: Sequence[Measured], specs: dict[str, str]) -> list[tuple[Mea
 
 def portable_command(argv: Sequence[str]) -> str:
     """The command with the directories of ``--doc-lengths name=PATH`` files replaced by ``<shared data>``."""
-    words = []
-    for arg in argv:
-        name, sep, path = arg.rpartition("=")
-        words.append(
-            f"{name}{sep}<shared data>/{os.path.basename(path)}" if sep and os.path.isabs(path) else arg
-        )
+    words = [sim.portable(arg, "<shared data>") for arg in argv]
     return "python benchmarks/check_simulator.py " + " ".join(shlex.quote(w) for w in words)
 
 

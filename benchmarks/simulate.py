@@ -822,12 +822,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def portable(arg: str) -> str:
-    """A command-line argument with the directory of an absolute file path replaced by ``<data>``
+def portable(arg: str, placeholder: str = "<data>") -> str:
+    """A command-line argument with the directory of an absolute file path replaced by ``placeholder``
     (results files name no machine's paths)."""
     name, sep, path = arg.rpartition("=")
     if os.path.isabs(path):
-        return f"{name}{sep}<data>/{os.path.basename(path)}"
+        return f"{name}{sep}{placeholder}/{os.path.basename(path)}"
     return arg
 
 
