@@ -35,6 +35,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from hf_distca.config import DistCAConfig
 from hf_distca.engine import core_attention, local_attention
+from hf_distca.engine.compiled import compiled_core_attention, compiled_local_attention, register_runtime
 from hf_distca.features import UnsupportedFeatureError, check_attention_call, check_window
 from hf_distca.packing import (
     Unpadded,
@@ -75,6 +76,11 @@ class DistCARuntime:
     group: Any = None
     """Attention-server process group; None: the world (when torch.distributed is initialized)."""
     config: DistCAConfig = field(default_factory=DistCAConfig)
+    key: int = field(init=False, compare=False, repr=False)
+    """Names the runtime inside ``torch.compile`` (:func:`hf_distca.engine.compiled.register_runtime`)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", register_runtime(self))
 
     def __deepcopy__(self, memo: dict) -> DistCARuntime:
         # process groups cannot be copied; a deep-copied model shares the runtime (it holds no state)
@@ -147,6 +153,8 @@ def distca_padding_mask(
     if attention_mask.dim() != 2:
         return attention_mask  # a user-built 4-D mask; the attention function refuses it clearly
     mask = attention_mask[:, -kv_length:].bool()  # (B, n), n = tokens so far
+    if torch.compiler.is_compiling():
+        return mask  # no host read inside a compiled region: the attention function decides
     if mask.shape[1] == kv_length and bool(mask.all()):
         return None
     return mask
@@ -438,6 +446,67 @@ def _run_with_past(
 
 
 # --------------------------------------------------------------------------------------------------
+# inside torch.compile: every host decision moves into the engine's custom ops
+
+
+def _run_compiled(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+    kwargs: dict,
+) -> torch.Tensor:
+    """The attention function's packed paths as custom ops (:mod:`hf_distca.engine.compiled`), which read
+    no tensor on the host while the compiler traces. Padded batches and KV caches stay eager-only."""
+    batch, num_heads, seq, head_dim = query.shape
+    if key.shape[2] != seq:
+        raise UnsupportedFeatureError(
+            "attn_implementation='distca' inside torch.compile computes training forwards without a KV cache; "
+            "pass use_cache=False, or generate without torch.compile"
+        )
+    if attention_mask is not None:
+        raise UnsupportedFeatureError(
+            "attn_implementation='distca' inside torch.compile takes packed batches without an attention_mask "
+            "(DataCollatorWithFlattening, or DistCA's data path); padded batches need an eager model: drop "
+            "torch.compile or the padding"
+        )
+    runtime = getattr(module, RUNTIME_ATTR, None)
+    window = kwargs.get("sliding_window")
+    q, k, v = _flat(query), _flat(key), _flat(value)  # (B * S, H, D)
+    layout = kwargs.get("distca_layout")
+    if layout is not None:
+        if runtime is None:
+            raise RuntimeError(
+                "the forward got a distca_layout but the model has no distca runtime; call "
+                "hf_distca.enable_distca(model, group=...) after building the model (and on every rank)"
+            )
+        token = getattr(layout, "token", None)
+        if batch != 1 or token is None:
+            raise ValueError(
+                "inside torch.compile a distca_layout must be an hf_distca.data.DistCALayout (it carries the token "
+                f"that names it to the compiled engine) with one packed row (1, S); got batch size {batch} and "
+                f"a {type(layout).__name__}"
+            )
+        out = compiled_core_attention(q, k, v, token, runtime.key, scale=scaling, window=window)
+    else:
+        config = runtime.config if runtime is not None else _DEFAULT_CONFIG
+        out = compiled_local_attention(
+            q,
+            k,
+            v,
+            batch=batch,
+            cu_seq_lens=kwargs.get("cu_seq_lens_q"),
+            position_ids=kwargs.get("position_ids"),
+            scale=scaling,
+            backend=config.backend,
+            window=window,
+        )  # (B * S, Hq, D)
+    return out.view(batch, seq, num_heads, head_dim)  # (B, S, Hq, D)
+
+
+# --------------------------------------------------------------------------------------------------
 # the attention function
 
 
@@ -462,6 +531,8 @@ def distca_attention_forward(
     distributed engine (needs :func:`enable_distca`).
     """
     check_attention_call(module, query, key, dropout, kwargs)
+    if torch.compiler.is_compiling():
+        return _run_compiled(module, query, key, value, attention_mask, scaling, kwargs), None
     batch, num_heads, seq, head_dim = query.shape
     layout = kwargs.get("distca_layout")
     if layout is not None:

@@ -1,7 +1,7 @@
 """DistCACallback: every DistCA setting of a Trainer run, and its per-step metrics.
 
 It owns the data path (global token-budget batches rebatched over the ranks), the attention-server
-group (the data-parallel world), pre-flight checks and per-step metrics (``metrics.jsonl`` and a PNG
+group (the data-parallel ranks of Accelerate's device mesh, see :func:`hf_distca.validation.attention_server_group`), pre-flight checks and per-step metrics (``metrics.jsonl`` and a PNG
 of per-rank attention load). Callbacks cannot change the Trainer's training dataloader, so it works
 together with :class:`hf_distca.DistCATrainer`, which hands it the Trainer's documented extension
 points (``get_train_dataloader``, ``training_step``, ``log``); see :mod:`hf_distca.trainer`.
@@ -27,7 +27,12 @@ from hf_distca.checkpointing import switch_trainer_checkpointing
 from hf_distca.config import DistCAConfig
 from hf_distca.data.loader import DistCABatches, DistCADataLoader, TokenDocuments
 from hf_distca.data.rebatch import LayoutFn, layout_balanced, layout_pieces
-from hf_distca.validation import check_launch, check_model_supported
+from hf_distca.validation import (
+    attention_server_group,
+    check_launch,
+    check_model_supported,
+    check_parallelism,
+)
 
 NEEDS_DISTCA_TRAINER = (
     "DistCACallback needs hf_distca.DistCATrainer (a transformers Trainer subclass that feeds it DistCA's "
@@ -113,6 +118,7 @@ class DistCACallback(TrainerCallback):
         self._step_loss: torch.Tensor | None = None
         self._layers = 0
         self._flops_per_pair = 0.0
+        self._group = None
 
     # ------------------------------------------------------------------ DistCATrainer's side
     def _bind(self, trainer) -> None:
@@ -125,6 +131,17 @@ class DistCACallback(TrainerCallback):
         """Pre-flight checks and the data path; at construction (or add_callback) of the trainer."""
         trainer = self._trainer
         world = check_launch(args)
+        accelerator = getattr(trainer, "accelerator", None)
+        parallelism = getattr(accelerator, "parallelism_config", None)
+        check_parallelism(parallelism, model_tp_size=getattr(model, "tp_size", None))
+        self._group, group_rank, group_size = attention_server_group(
+            getattr(accelerator, "torch_device_mesh", None), parallelism
+        )
+        if (group_rank, group_size) != (args.process_index, world):
+            raise RuntimeError(
+                f"the attention-server group of Accelerate's mesh is rank {group_rank} of {group_size}, but the "
+                f"Trainer's data-parallel rank is {args.process_index} of {world}; DistCA needs them equal"
+            )
         check_model_supported(
             model, max_document_tokens=self.tokens_per_rank * world, disaggregate=self.disaggregate
         )
@@ -194,8 +211,7 @@ class DistCACallback(TrainerCallback):
         world = max(args.world_size, 1)
         _check_same_documents(self.batches.documents.lengths, world)
         if self.disaggregate:
-            group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-            enable_distca(model, group=group, config=self.config)
+            enable_distca(model, group=self._group, config=self.config)
         if not self.recompute_attention:
             switch_trainer_checkpointing(model, args)  # after the Trainer enabled checkpointing
         cfg = getattr(model, "config", None)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import noop_context_fn
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts, noop_context_fn
 
 __all__ = [
     "SavedAttention",
@@ -89,9 +89,21 @@ class _FrameContext:
         _stack().pop()
 
 
-def remat_context_fn() -> tuple[_FrameContext, _FrameContext]:
+def _save_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Selective-checkpointing policy inside torch.compile: keep the attention ops' outputs (output and
+    log-sum-exp), recompute the rest of the layer."""
+    from hf_distca.engine.compiled import attention_forward_ops  # the engine imports this module
+
+    return CheckpointPolicy.MUST_SAVE if op in attention_forward_ops() else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def remat_context_fn() -> tuple[Any, Any]:
     """``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: a fresh frame
-    and its (forward, recompute) context managers."""
+    and its (forward, recompute) context managers. Inside torch.compile (which traces checkpoint with
+    selective-checkpointing contexts only) the same effect through torch's public selective checkpointing:
+    the engine's compiled attention ops (:mod:`hf_distca.engine.compiled`) are saved, never recomputed."""
+    if torch.compiler.is_compiling():
+        return create_selective_checkpoint_contexts(_save_attention)
     frame = _Frame()
     return _FrameContext(_FORWARD, frame), _FrameContext(_RECOMPUTE, frame)
 
@@ -151,6 +163,12 @@ class _Both:
 
 def _composed(user_context_fn: Callable[[], tuple[Any, Any]]) -> Callable[[], tuple[Any, Any]]:
     def context_fn() -> tuple[_Both, _Both]:
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                "rematerialization-aware checkpointing with your own checkpoint context_fn cannot run inside "
+                "torch.compile (it traces one selective-checkpointing context only); drop the context_fn, or use "
+                "plain recompute (DistCACallback(recompute_attention=True))"
+            )
         user_forward, user_recompute = user_context_fn()
         ours_forward, ours_recompute = remat_context_fn()
         return _Both(user_forward, ours_forward), _Both(user_recompute, ours_recompute)

@@ -10,10 +10,14 @@ messages:
   the longest document a micro-batch can hold;
 - :func:`check_attention_call`: on every call of the attention function, from the module and the
   keyword arguments Transformers passes; :func:`check_window` once document lengths are known.
+
+``output_attentions=True`` changes no math but asks for weights distca never builds: it warns (as
+Transformers' ``sdpa`` does) and the model's ``attentions`` output holds none.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -93,6 +97,14 @@ def check_attention_call(
         )
     if module.training:
         _check_dropout(dropout or 0.0, name)
+    if kwargs.get("output_attentions"):
+        warnings.warn(
+            f"{name}: output_attentions=True, but attn_implementation='distca' never materialises attention "
+            "weights, so the model's `attentions` output holds none. Load the model with "
+            "attn_implementation='eager' (or call model.set_attn_implementation('eager')) to get them",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def check_window(sliding_window: int | None, longest: int, *, pre_flight: bool = False) -> None:

@@ -18,6 +18,7 @@ from transformers import Trainer
 
 from hf_distca.callback import DistCACallback
 from hf_distca.data.loader import DistCADataLoader
+from hf_distca.validation import check_parallelism
 
 
 def _needs_callback(trainer) -> str:
@@ -42,6 +43,8 @@ class DistCATrainerMixin:
         distca = [cb for cb in callbacks if isinstance(cb, DistCACallback)]
         if len(distca) > 1:
             raise ValueError(f"got {len(distca)} DistCACallbacks; " + _needs_callback(self))
+        if distca:  # before the Accelerator validates a mesh that DistCA would refuse anyway
+            check_parallelism(getattr(bound.arguments.get("args"), "parallelism_config", None))
         for cb in distca:  # before Trainer.__init__, whose on_init_end runs the callback's checks
             cb._bind(self)
         super().__init__(*args, **kwargs)

@@ -1,8 +1,11 @@
-"""Pre-flight checks: refuse, before training starts, what DistCA cannot do right."""
+"""Pre-flight checks: refuse, before training starts, what DistCA cannot do right; and the attention-server
+group of a Trainer run (the data-parallel ranks of Accelerate's device mesh)."""
 
 from __future__ import annotations
 
 import os
+import warnings
+from typing import Any
 
 import torch.distributed as dist
 
@@ -44,3 +47,52 @@ def check_model_supported(model, *, max_document_tokens: int, disaggregate: bool
             "(or model.set_attn_implementation('distca')), or pass DistCACallback(..., disaggregate=False) for "
             "a baseline run"
         )
+
+
+def check_parallelism(parallelism_config: Any, *, model_tp_size: int | None = None) -> None:
+    """Refuse mesh dimensions of Accelerate's ``ParallelismConfig`` that DistCA cannot serve exactly.
+
+    DistCA keeps data-parallel semantics: every data-parallel rank (``dp_replicate x dp_shard``) holds
+    whole tokens of its own and serves core attention for the others. ``parallelism_config``: the
+    Accelerator's (None: plain data parallelism); ``model_tp_size``: the model's own tensor-parallel size
+    (``from_pretrained(tp_plan=...)``), if any.
+    """
+    sizes = {name: int(getattr(parallelism_config, f"{name}_size", 1) or 1) for name in ("cp", "sp", "tp")}
+    if sizes["cp"] > 1 or sizes["sp"] > 1:
+        name = "cp_size" if sizes["cp"] > 1 else "sp_size"
+        raise ValueError(
+            f"ParallelismConfig({name}={max(sizes['cp'], sizes['sp'])}) splits every row over ranks that each run "
+            "their own attention (torch context parallelism replaces the packed documents' mask with whole-row "
+            "causal attention; DeepSpeed Ulysses re-shards heads), while DistCACallback already cuts long "
+            "documents over the data-parallel ranks and balances their core attention. Drop cp_size/sp_size and "
+            "give those ranks to data parallelism (dp_shard_size for FSDP2, dp_replicate_size for DDP); to run "
+            "Ulysses or torch CP as a baseline, use recipes/sequence_parallel_long_docs.py without DistCACallback"
+        )
+    tp = max(sizes["tp"], int(model_tp_size or 1))
+    if tp > 1:
+        raise ValueError(
+            f"tensor parallelism (tp_size={tp}) is not supported with DistCACallback: every tensor-parallel slice "
+            "would need its own heads balanced over its data-parallel group. Use data parallelism for those ranks "
+            "(ParallelismConfig(dp_shard_size=...) with FSDP2 shards the weights instead), or train without "
+            "DistCACallback"
+        )
+
+
+def attention_server_group(device_mesh: Any, parallelism_config: Any) -> tuple[Any, int, int]:
+    """``(group, rank, size)`` of the attention servers: the data-parallel ranks of Accelerate's mesh.
+
+    ``device_mesh``: the Accelerator's ``torch_device_mesh`` (None without a ``ParallelismConfig``, or
+    when its mesh is trivial): then the world, as ``torch.distributed`` knows it (``group`` None and size
+    1 without a process group). Call :func:`check_parallelism` first: only data-parallel dimensions are
+    served, so the group's rank order is the data loader's."""
+    dp_dims = tuple(getattr(parallelism_config, "dp_dim_names", ()) or ())
+    if device_mesh is not None and dp_dims:
+        if device_mesh.ndim == 1:  # one data-parallel dimension and nothing else
+            return device_mesh.get_group(), device_mesh.get_local_rank(), device_mesh.size()
+        with warnings.catch_warnings():  # torch announces that slicing a flattened dimension will change
+            warnings.simplefilter("ignore", UserWarning)
+            mesh = device_mesh["dp"]  # Accelerate's flattened dp_replicate x dp_shard dimension
+        return mesh.get_group(), mesh.get_local_rank(), mesh.size()
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+    return None, 0, 1

@@ -128,6 +128,13 @@ def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
         "checkpointing, for comparison); default: keep each layer's attention output (rematerialization-aware)",
     )
     p.add_argument("--bf16", action="store_true")
+    p.add_argument(
+        "--torch-compile",
+        default=None,
+        metavar="BACKEND",
+        help="compile the model with torch.compile through the Trainer (TrainingArguments(torch_compile=True, "
+        "torch_compile_backend=BACKEND), e.g. inductor); distca's core attention runs as opaque custom ops inside",
+    )
     p.add_argument("--cpu", action="store_true", help="train on the CPU even if GPUs are present")
     p.add_argument("--deepspeed", default=None, help="DeepSpeed JSON config (or use an accelerate config)")
     p.add_argument("--no-save", action="store_true", help="skip saving the final model")
@@ -397,6 +404,9 @@ def training_kwargs(args) -> dict:
         disable_tqdm=False,
         use_liger_kernel=args.liger,
         **({"liger_kernel_config": dict(LIGER_CONFIG)} if args.liger else {}),
+        **(
+            {"torch_compile": True, "torch_compile_backend": args.torch_compile} if args.torch_compile else {}
+        ),
     )
 
 

@@ -459,6 +459,17 @@ def test_4d_mask_raises_in_model():
         model(input_ids=ids, attention_mask=mask)
 
 
+def test_output_attentions_warns_and_returns_no_weights():
+    model = tiny_model("llama")
+    ids = torch.randint(0, 128, (1, 6))
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+        with pytest.warns(UserWarning, match="output_attentions=True.*attn_implementation='eager'"):
+            out = model(input_ids=ids, output_attentions=True)
+    assert all(a is None for a in out.attentions or ())  # no weights, and the warning said so
+    torch.testing.assert_close(out.logits, plain, rtol=0, atol=0)
+
+
 def test_training_with_attention_dropout_raises_in_model():
     model = tiny_model("llama", attention_dropout=0.1)
     model.train()

@@ -15,13 +15,14 @@ import sys
 
 import pytest
 import torch
+from extras import require
 from test_callback import dataset, read_records, tiny_llama, trainer_args
 from tolerances import TOL
 
 import hf_distca
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-liger_functional = pytest.importorskip("liger_kernel.transformers.functional")
+liger_functional = require("liger_kernel.transformers.functional", "liger")
 
 
 def load_recipe():

@@ -22,6 +22,7 @@ import sys
 
 import pytest
 import torch
+from extras import require
 from tolerances import TOL
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -69,6 +70,7 @@ def _zero3_sgd_config(path) -> str:
 
 @pytest.mark.slow
 def test_zero3_recipe_matches_one_process(tmp_path):
+    require("deepspeed", "deepspeed")
     ds_config = _zero3_sgd_config(tmp_path / "zero3_sgd.json")
     reference = tmp_path / "reference"
     _launch(1, [["finetune_long_docs.py", [*COMMON, "--tokens-per-rank", str(BUDGET), "--output-dir",
@@ -239,7 +241,7 @@ def test_recipe_refuses_fsdp_on_cpu(tmp_path, monkeypatch):
 def test_recipe_refuses_optim_that_deepspeed_would_ignore(tmp_path):
     """accelerate_configs/ds_zero3.json names its own optimizer (AdamW): with it, --optim sgd would silently
     train AdamW (at SGD's learning rate); without an optimizer section --optim is honoured."""
-    pytest.importorskip("deepspeed")
+    require("deepspeed", "deepspeed")
     from transformers import TrainingArguments
     from transformers.integrations import unset_hf_deepspeed_config
 

@@ -19,6 +19,7 @@ import sys
 import pytest
 import torch
 from distributed import run_distributed
+from extras import require
 from oracle import assert_close, oracle_attention, oracle_with_grads, random_qkv
 from tolerances import TOL
 
@@ -93,6 +94,7 @@ def _attention_cases(rank, world):
 
 
 def test_ulysses_attention_layer_exact_with_document_attention():
+    require("deepspeed", "deepspeed")
     ranks = run_distributed(_attention_cases, 2)
     world = len(ranks)
     for core, hq, hkv in ranks[0][0]:
@@ -214,6 +216,7 @@ def _launch(world: int, script: str, out_dir: str, *argv: str) -> list[dict]:
 def test_ulysses_recipe_trains_like_one_process(tmp_path):
     """DeepSpeed Ulysses (ZeRO-3, sp_size 2, hf_distca's document attention) through Accelerate and the
     Trainer vs finetune_long_docs.py on one process: same documents, SGD, fp32, 3 steps, equal losses."""
+    require("deepspeed", "deepspeed")
     lengths = tmp_path / "lens.json"
     lengths.write_text(json.dumps([300, 700, 1500, 2600, 120, 90, 450, 1000]))
     common = ["--doc-lengths", str(lengths), "--num-documents", "40", "--max-steps", "3", "--optim", "sgd",
@@ -248,6 +251,7 @@ def test_ulysses_under_zero1_scales_the_gradient_by_sp_size(tmp_path):
     """Why the recipe runs ZeRO-3 only: under ZeRO-1, DeepSpeed 0.19.8 sums the two sequence-parallel ranks'
     gradients, each already 2 x its share (the backward of Transformers' all-gathered SP loss sums over the
     ranks), so one SGD step moves the weights along 2 x the single-process gradient (clipped to norm 1)."""
+    require("deepspeed", "deepspeed")
     from safetensors.torch import load_file
 
     lengths = tmp_path / "lens.json"

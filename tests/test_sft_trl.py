@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from extras import require
 from tolerances import TOL
 
 from hf_distca.data import DistCABatches
@@ -40,7 +41,7 @@ def records(path) -> list[dict]:
 
 @pytest.mark.slow
 def test_sft_trainer_and_baselines_match_the_trainer_recipe_on_two_ranks(tmp_path):
-    pytest.importorskip("trl")
+    require("trl", "trl")
     lengths = tmp_path / "lengths.json"
     lengths.write_text(json.dumps([40, 300, 700, 900, 1500, 90]))
     data = ["--doc-lengths", str(lengths), *COMMON]
@@ -101,7 +102,7 @@ def test_sft_trainer_and_baselines_match_the_trainer_recipe_on_two_ranks(tmp_pat
 
 
 def test_sft_config_must_leave_the_batches_to_distca(tmp_path):
-    pytest.importorskip("trl")
+    require("trl", "trl")
     import datasets
     from test_callback import tiny_llama
     from trl import SFTConfig

@@ -12,11 +12,11 @@ from __future__ import annotations
 import os
 import tempfile
 
-import pytest
 import torch
 from distributed import run_distributed
+from extras import require
 
-pytest.importorskip("deepspeed")
+require("deepspeed", "deepspeed")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -7,13 +7,14 @@ each global micro-batch without communication; each rank then keeps its own shar
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from hf_distca.data.rebatch import LayoutFn, layout_balanced, layout_for_rank
 from hf_distca.data.sampler import plan_global_batches
+from hf_distca.engine.compiled import register_layout
 from hf_distca.planning.cost import causal_pairs
 
 
@@ -21,10 +22,16 @@ from hf_distca.planning.cost import causal_pairs
 class DistCALayout:
     """What the ``distca`` attention needs per micro-batch: this rank's pieces and every rank's.
 
-    A plain (non-tensor) object, so Trainer/Accelerate pass it through to the model untouched."""
+    A plain (non-tensor) object, so Trainer/Accelerate pass it through to the model untouched; its
+    ``token`` names it to the engine's compiled ops (:mod:`hf_distca.engine.compiled`), so that a model under
+    ``torch.compile`` reads only that tensor and never recompiles for a new layout."""
 
     pieces: tuple[tuple[int, int, int], ...]
     all_pieces: tuple[tuple[tuple[int, int, int], ...], ...]
+    token: torch.Tensor = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "token", register_layout(self))
 
 
 class TokenDocuments:

@@ -291,13 +291,20 @@ def core_attention(
     config = config or DistCAConfig()
     prepared = prepare(q, k, v, pieces, group=group, config=config, all_pieces=all_pieces)
     metrics.record_call(prepared.flops_before, prepared.flops_after)
-    ping_pong = config.ping_pong if config.ping_pong is not None else q.is_cuda
+    runner = engine_runner(prepared, group=group, config=config, scale=scale, on_cuda=q.is_cuda)
+    return _AttentionOp.apply(q, k, v, runner, None)
+
+
+def engine_runner(
+    prepared: PreparedAttention, *, group: Any, config: DistCAConfig, scale: float | None, on_cuda: bool
+) -> EngineRunner | PingPongRunner:
+    """The runner of one prepared micro-batch: ping-pong nano-batches when ``config.ping_pong`` asks for
+    them (None: on CUDA tensors) and the plan communicates, else the serial stages."""
+    ping_pong = config.ping_pong if config.ping_pong is not None else on_cuda
     if ping_pong and prepared.communicates:  # every rank decides alike: same config, same plan
         split = nano_batches(prepared, config.shard_tokens, config.ping_pong_split)
-        runner = PingPongRunner(split, group, scale, config.backend)
-    else:
-        runner = EngineRunner(prepared, group, scale, config.backend)
-    return _AttentionOp.apply(q, k, v, runner, None)
+        return PingPongRunner(split, group, scale, config.backend)
+    return EngineRunner(prepared, group, scale, config.backend)
 
 
 def local_attention(
