@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from hf_distca.data import layout_pieces
-from hf_distca.linear import LinearSPConfig, linear_attention
+from hf_distca.linear import LINEAR_BACKENDS, LinearSPConfig, linear_attention
 from hf_distca.linear.ops import (
     build_scan_plan,
     fla_available,
@@ -577,7 +577,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="output directory (linear_sp.md, linear_sp.json)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    p.add_argument("--backend", choices=("auto", "reference", "fla"), default="auto")
+    p.add_argument("--backend", choices=LINEAR_BACKENDS, default="auto")
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
     p.add_argument("--smoke", action="store_true", help="tiny sizes: test the script, not the machine")
     p.add_argument(
@@ -600,7 +600,11 @@ def main(argv=None) -> None:
         raise SystemExit("run with at least 2 processes (torchrun --nproc-per-node 2 ...)")
     from hf_distca.linear.ops.local import resolve_backend
 
-    resolved = resolve_backend(args.backend, device)
+    # the concrete backend per transition ('auto' on a Hopper GPU with Triton 3.4-3.7.0: chunked for delta)
+    resolved = ", ".join(
+        f"{kind}: {resolve_backend(args.backend, device, kind=kind)}"
+        for kind in ("const", "vector", "delta", "kda")
+    )
     ctx = dict(
         rank=rank, device=device, smoke=args.smoke, backend=args.backend, backend_resolved=resolved, args=args
     )

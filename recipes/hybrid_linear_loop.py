@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, MiniMaxConfig, Qwen3NextConfig
 
 import hf_distca
 from hf_distca.data import DistCABatches, DistCADataLoader, generate_documents
-from hf_distca.linear import LinearSPConfig
+from hf_distca.linear import LINEAR_BACKENDS, LinearSPConfig
 from hf_distca.linear.layers import enable_linear_attention_sp
 from hf_distca.linear.ops import chains_of
 
@@ -133,7 +133,7 @@ def main(argv=None) -> list[float]:
     p.add_argument("--learning-rate", type=float, default=0.5)
     p.add_argument("--scan", choices=("all_scan", "serial", "all_gather"), default="all_scan")
     p.add_argument("--num-blocks", type=int, default=8, help="All-Scan pipeline blocks along the value dim")
-    p.add_argument("--backend", choices=("auto", "reference", "fla"), default="auto")
+    p.add_argument("--backend", choices=LINEAR_BACKENDS, default="auto")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--losses-file", default=None, help="write the per-step losses here (JSON list, rank 0)")
     args = p.parse_args(argv)

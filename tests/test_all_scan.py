@@ -5,7 +5,7 @@ CPU-only, gloo. Each distributed test spawns once per world size and runs every 
   token, per key-dim, delta rule, Kimi delta rule) x every scan method (all_scan, serial, all_gather) x
   two layouts (DistCA's zigzag layout from ``layout_pieces``, and contiguous chunks with documents
   starting and ending inside ranks), outputs and input gradients against a per-token float64 oracle
-  on the uncut documents;
+  on the uncut documents; local backend 'reference', and 'chunked' for every kind under All-Scan;
 - model level: a tiny MiniMax (lightning attention + softmax attention, MoE) with documents cut across
   ranks by ``DistCABatches``: softmax layers through attn_implementation="distca", linear layers
   through the scan; the loss and every parameter gradient (summed over ranks) against Transformers'
@@ -89,7 +89,7 @@ def _op_case(rank: int, case: dict, group=None, group_rank: int | None = None) -
             local[name] = None
             continue
         local[name] = (x[rows] if per_token(x, total) else x).clone().requires_grad_(True)
-    config = LinearSPConfig(backend="reference", scan=case["method"], num_blocks=case["blocks"])
+    config = LinearSPConfig(backend=case["backend"], scan=case["method"], num_blocks=case["blocks"])
     out = linear_attention(
         local["q"],
         local["k"],
@@ -176,8 +176,22 @@ def _op_cases(world: int) -> list[dict]:
                         blocks=4,
                         dtype=torch.float64,
                         seed=100 + 10 * KINDS.index(kind) + len(layout_name),
+                        backend="reference",
                     )
                 )
+    for kind in KINDS:  # the chunked local backend under the scan (its own pieces' chunks)
+        cases.append(
+            dict(
+                layout=LAYOUTS[world]["zigzag"],
+                layout_name="zigzag",
+                kind=kind,
+                method="all_scan",
+                blocks=4,
+                dtype=torch.float64,
+                seed=100 + 10 * KINDS.index(kind) + len("zigzag"),
+                backend="chunked",
+            )
+        )
     for kind in ("scalar", "delta"):  # float32 inputs against the float64 oracle
         layout = LAYOUTS[world]["zigzag"]
         cases.append(
@@ -189,6 +203,7 @@ def _op_cases(world: int) -> list[dict]:
                 blocks=16,
                 dtype=torch.float32,
                 seed=7,
+                backend="chunked" if kind == "delta" else "reference",
             )
         )
     return cases
@@ -210,7 +225,10 @@ def _check_ops(world: int, cases: list[dict], results: list[list[dict]], oracles
             oracles[key] = _oracle_with_grads(case)
         ref = oracles[key]
         tol = "linear_fp64" if case["dtype"] == torch.float64 else "fp32"
-        label = f"{world} ranks, {case['layout_name']}, {case['kind']}, {case['method']}, {case['dtype']}"
+        label = (
+            f"{world} ranks, {case['layout_name']}, {case['kind']}, {case['method']}, {case['dtype']}, "
+            f"{case['backend']}"
+        )
         total = ref["out"].shape[0]
         summed = {}
         for rank, per_rank in enumerate(results):
@@ -273,6 +291,7 @@ def test_all_scan_ops_and_minimax_exact_across_ranks(world):
                 blocks=3,
                 dtype=torch.float64,
                 seed=11,
+                backend="reference",
             )
             for kind in ("delta", "vector")
             for method in METHODS
@@ -371,7 +390,7 @@ def test_all_scan_single_process_pieces_out_of_order():
     for kind in KINDS:
         inputs = random_inputs(kind, sum(lengths), seed=9)
         ref = oracle(inputs, lengths, SCALE)
-        for method in METHODS:
+        for method, backend in [(m, "auto") for m in METHODS] + [("all_scan", "chunked")]:
             local = {n: (x[rows] if per_token(x, sum(lengths)) else x) for n, x in inputs.items()}
             out = linear_attention(
                 local["q"],
@@ -381,9 +400,9 @@ def test_all_scan_single_process_pieces_out_of_order():
                 log_decay=local["log_decay"],
                 beta=local["beta"],
                 scale=SCALE,
-                config=LinearSPConfig(scan=method, num_blocks=2),
+                config=LinearSPConfig(backend=backend, scan=method, num_blocks=2),
             )
-            assert_close(out, ref[rows], "linear_fp64", f"{kind}, {method}")
+            assert_close(out, ref[rows], "linear_fp64", f"{kind}, {method}, {backend}")
 
 
 def test_all_scan_plan_follows_zigzag_chains():

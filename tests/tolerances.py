@@ -51,6 +51,9 @@ TOL = {
     # flash-linear-attention chunk kernels (float32 inputs, tf32/bf16 tensor-core dots inside) vs the float64
     # per-token reference: max |a - b| / max |b| per tensor (outputs, final states, gradients)
     "gpu_linear": (2e-2, 0.0),
+    # the chunked PyTorch backend in float32 on CUDA vs the float64 per-token reference, same metric and
+    # shapes: float32 rounding only (no tensor-core dots); measured <= 1.1e-6 on CPU at these shapes
+    "gpu_linear_chunked": (1e-4, 0.0),
     # log-sum-exp (float32 inside every backend); measured ~3e-6 on H200
     "gpu_lse": (1e-4, 1e-4),
     # engine over NCCL vs the float64 oracle: max |a - b| <= rtol x max |b| per tensor

@@ -1,8 +1,8 @@
 """Sequence parallelism for linear-attention layers: documents cut across ranks, states scanned across
 ranks with All-Scan (ZeCO), serial hand-off (LASP-1) or all-gather (LASP-2).
 
-- :mod:`hf_distca.linear.ops`: the recurrences (per-token reference, flash-linear-attention kernels), the
-  scan plan of a layout, the state scan collective, ``linear_attention`` and the short causal convolution
+- :mod:`hf_distca.linear.ops`: the recurrences (per-token reference, chunked PyTorch, flash-linear-attention
+  kernels where they are correct), the scan plan of a layout, the state scan collective, ``linear_attention`` and the short causal convolution
   with its halo exchange (``causal_conv_pieces``);
 - :mod:`hf_distca.linear.layers`: Transformers modules wrapped to use them (MiniMax lightning attention,
   Qwen3-Next gated DeltaNet).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-LINEAR_BACKENDS = ("auto", "reference", "fla")
+LINEAR_BACKENDS = ("auto", "reference", "chunked", "fla")
 SCAN_METHODS = ("all_scan", "serial", "all_gather")
 
 
@@ -13,9 +13,11 @@ class LinearSPConfig:
     """Knobs of sequence-parallel linear attention. Every rank must use an identical config."""
 
     backend: str = "auto"
-    """Local recurrence kernel: 'reference' (per-token loop in torch, any device, the oracle), 'fla'
-    (flash-linear-attention's chunk kernels, CUDA, needs the ``fla-core`` package) or 'auto' (fla on
-    CUDA tensors when it imports, else reference)."""
+    """Local recurrence kernel: 'reference' (per-token loop in torch, any device, the oracle), 'chunked'
+    (chunks of 64 tokens in torch, any device), 'fla' (flash-linear-attention's chunk kernels, CUDA, needs
+    the ``fla-core`` package) or 'auto' (on CUDA fla when it imports and is correct for the layer's
+    transition on this GPU and Triton, else chunked; on CPU reference). The choice is made when the model
+    is prepared (``enable_linear_attention_sp``): an explicit 'fla' that would be wrong raises there."""
 
     scan: str = "all_scan"
     """How the state entering each cut piece is computed across ranks: 'all_scan' (ZeCO: pipelined

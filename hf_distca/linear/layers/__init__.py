@@ -20,6 +20,7 @@ from hf_distca.linear.layers.gated_deltanet import GatedDeltaNetSP, pass_positio
 from hf_distca.linear.layers.minimax import MiniMaxLightningAttentionSP
 from hf_distca.linear.layers.olmo_hybrid import OlmoHybridGatedDeltaNetSP
 from hf_distca.linear.layers.qwen3_next import Qwen3NextGatedDeltaNetSP
+from hf_distca.linear.ops.local import prepare_backend
 
 __all__ = [
     "GatedDeltaNetSP",
@@ -50,21 +51,34 @@ def enable_linear_attention_sp(model: nn.Module, *, group=None, config: LinearSP
     ``group``: the process group the documents are cut over (the same as ``enable_distca``'s); None: the
     default group. Calling it again updates the group and config of already replaced modules. Sets
     ``model.config.use_cache = False``: the replacements keep no decoding cache (training only).
+
+    The local backend is chosen here for the current CUDA device (``prepare_backend``; CPU without
+    CUDA) and each layer's transition, and kept as ``linear_sp_backend`` on every replaced module: an
+    explicit ``backend='fla'`` that fla would get wrong on this GPU and Triton raises a ValueError now,
+    'auto' falls back to 'chunked' there.
     """
     config = config if config is not None else LinearSPConfig()
     replacements = supported_linear_modules()
-    count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, tuple(replacements.values())):
-                child.linear_sp_group, child.linear_sp_config = group, config
-                count += 1
-            elif type(child) in replacements:
-                replacement = replacements[type(child)](child, group=group, config=config)
-                setattr(parent, name, replacement)
-                if isinstance(replacement, GatedDeltaNetSP):
-                    pass_position_ids(parent)  # its decoder layer keeps position_ids to itself
-                count += 1
+    found = [
+        (parent, name, child)
+        for parent in list(model.modules())
+        for name, child in list(parent.named_children())
+        if isinstance(child, tuple(replacements.values())) or type(child) in replacements
+    ]
+    kinds = {replacements.get(type(child), child).linear_kind for *_, child in found}
+    chosen = {
+        kind: prepare_backend(config.backend, kind) for kind in sorted(kinds)
+    }  # raises before any change
+    for parent, name, child in found:
+        if type(child) in replacements:
+            replacement = replacements[type(child)](child, group=group, config=config)
+            setattr(parent, name, replacement)
+            if isinstance(replacement, GatedDeltaNetSP):
+                pass_position_ids(parent)  # its decoder layer keeps position_ids to itself
+        else:
+            child.linear_sp_group, child.linear_sp_config = group, config
+            child.linear_sp_backend = chosen[child.linear_kind]
+    count = len(found)
     if count == 0:
         names = ", ".join(cls.__name__ for cls in replacements)
         raise ValueError(

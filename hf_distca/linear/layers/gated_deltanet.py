@@ -26,6 +26,7 @@ under the same names (``state_dict`` and ``save_pretrained`` unchanged).
 from __future__ import annotations
 
 import abc
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +36,7 @@ from transformers.activations import ACT2FN
 from hf_distca.linear.config import LinearSPConfig
 from hf_distca.linear.layers.rows import cu_seqlens_of, input_pieces
 from hf_distca.linear.ops.conv_halo import causal_conv_pieces
-from hf_distca.linear.ops.local import recurrence, resolve_backend
+from hf_distca.linear.ops.local import prepare_backend, recurrence, resolve_backend
 from hf_distca.linear.ops.sequence_parallel import linear_attention
 
 __all__ = ["POSITION_IDS_KWARG", "GatedDeltaNetSP", "pass_position_ids"]
@@ -84,6 +85,9 @@ class GatedDeltaNetSP(nn.Module, abc.ABC):
     uses: tuple[str, ...] = ()
     """Submodules and parameters of the Transformers module that the subclass reads."""
 
+    linear_kind = "delta"
+    """The transition of its recurrence (an fla kind, see ``hf_distca.linear.ops.fla_backend.fla_kind``)."""
+
     def __init__(self, original: nn.Module, *, group=None, config: LinearSPConfig | None = None):
         super().__init__()
         # the original's submodules and parameters, same objects, same names, same order (same state_dict)
@@ -122,6 +126,8 @@ class GatedDeltaNetSP(nn.Module, abc.ABC):
         self.layer_type = getattr(original, "layer_type", "linear_attention")
         self.linear_sp_group = group
         self.linear_sp_config = config if config is not None else LinearSPConfig()
+        # the local backend of its CUDA forwards, chosen now: an explicit 'fla' that cannot run raises here
+        self.linear_sp_backend = prepare_backend(self.linear_sp_config.backend, self.linear_kind)
 
     @abc.abstractmethod
     def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -176,8 +182,13 @@ class GatedDeltaNetSP(nn.Module, abc.ABC):
         # the recurrence in at least float32 (Transformers' kernels compute it in float32); fla takes the
         # model's dtype and accumulates in float32 inside
         state_dtype = torch.promote_types(hidden_states.dtype, torch.float32)
-        backend = resolve_backend(self.linear_sp_config.backend, hidden_states.device)
-        kernel_dtype = state_dtype if backend == "reference" else hidden_states.dtype
+        if hidden_states.is_cuda:
+            backend = self.linear_sp_backend
+        else:
+            backend = resolve_backend(
+                self.linear_sp_config.backend, hidden_states.device, kind=self.linear_kind
+            )
+        kernel_dtype = hidden_states.dtype if backend == "fla" else state_dtype
         repeat = self.num_v_heads // self.num_k_heads
         q = _l2norm(q.reshape(n, self.num_k_heads, self.head_k_dim).to(state_dtype))  # (N, Hk, Dk)
         k = _l2norm(k.reshape(n, self.num_k_heads, self.head_k_dim).to(state_dtype))
@@ -199,7 +210,7 @@ class GatedDeltaNetSP(nn.Module, abc.ABC):
                 scale=scale,
                 group=group,
                 all_pieces=all_pieces,
-                config=self.linear_sp_config,
+                config=dataclasses.replace(self.linear_sp_config, backend=backend),
             )  # (N, Hv, Dv)
         else:
             core, _ = recurrence(

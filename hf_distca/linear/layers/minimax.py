@@ -10,13 +10,15 @@ computes the same recurrence per document: restarting at every document boundary
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hf_distca.linear.config import LinearSPConfig
 from hf_distca.linear.layers.rows import cu_seqlens_of, input_pieces
-from hf_distca.linear.ops.local import recurrence
+from hf_distca.linear.ops.local import prepare_backend, recurrence
 from hf_distca.linear.ops.sequence_parallel import linear_attention
 
 __all__ = ["MiniMaxLightningAttentionSP"]
@@ -26,6 +28,9 @@ _USED = ("qkv_proj", "out_proj", "output_gate", "norm", "act_fn", "slope_rate")
 
 class MiniMaxLightningAttentionSP(nn.Module):
     """Drop-in replacement of one ``MiniMaxLightningAttention`` instance (same submodules and buffers)."""
+
+    linear_kind = "const"
+    """The transition of its recurrence: a fixed per-head decay (an fla kind, see ``fla_backend.fla_kind``)."""
 
     def __init__(self, original: nn.Module, *, group=None, config: LinearSPConfig | None = None):
         super().__init__()
@@ -49,6 +54,8 @@ class MiniMaxLightningAttentionSP(nn.Module):
         self.layer_type = getattr(original, "layer_type", "linear_attention")
         self.linear_sp_group = group
         self.linear_sp_config = config if config is not None else LinearSPConfig()
+        # the local backend of its CUDA forwards, chosen now: an explicit 'fla' that cannot run raises here
+        self.linear_sp_backend = prepare_backend(self.linear_sp_config.backend, self.linear_kind)
 
     def forward(
         self,
@@ -77,6 +84,7 @@ class MiniMaxLightningAttentionSP(nn.Module):
         pieces, all_pieces = input_pieces(
             batch, seq, mask=mask, kwargs=kwargs, position_ids=kwargs.get("position_ids")
         )
+        backend = self.linear_sp_backend if q.is_cuda else self.linear_sp_config.backend
         if all_pieces is not None:
             out = linear_attention(
                 q,
@@ -87,7 +95,7 @@ class MiniMaxLightningAttentionSP(nn.Module):
                 scale=1.0,
                 group=self.linear_sp_group,
                 all_pieces=all_pieces,
-                config=self.linear_sp_config,
+                config=dataclasses.replace(self.linear_sp_config, backend=backend),
             )
         else:
             out, _ = recurrence(
@@ -97,7 +105,7 @@ class MiniMaxLightningAttentionSP(nn.Module):
                 cu_seqlens=cu_seqlens_of(pieces),
                 log_decay=log_decay,
                 scale=1.0,
-                backend=self.linear_sp_config.backend,
+                backend=backend,
             )
         out = out.reshape(batch, seq, heads * dim)  # (B, S, H * D)
         out = self.norm(out)

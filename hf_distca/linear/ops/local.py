@@ -1,10 +1,16 @@
-"""Per-rank parts of sequence-parallel linear attention: the recurrence over local pieces, the transition of
-a whole piece, and the contribution of a state that a piece starts from.
+"""Per-rank parts of sequence-parallel linear attention: the backend choice, the recurrence over local pieces,
+the transition of a whole piece, and the contribution of a state that a piece starts from.
 
 Everything here is differentiable and local (no communication). With ``S_loc`` the final state of a piece
 run from zero and ``A`` its transition, the state leaving the piece when it starts from ``S_in`` is
 ``A S_in + S_loc``, and its outputs are ``o_loc + o(S_in)``, where ``o(S_in)`` is the output of the same
 recurrence run with zero values from ``S_in`` (both recurrences are linear in (state, values)).
+
+Backends: 'reference' (per-token loop), 'chunked' (chunks of 64 tokens in PyTorch), 'fla'
+(flash-linear-attention's kernels, CUDA) and 'auto': fla on CUDA when it imports and is correct for the
+transition on this device (:func:`hf_distca.linear.ops.fla_backend.fla_unsafe_reason`), else chunked;
+reference on CPU. :func:`prepare_backend` makes the same choice when a model is prepared, so that an
+explicit 'fla' that cannot run fails there rather than in the first backward.
 """
 
 from __future__ import annotations
@@ -13,19 +19,62 @@ from collections.abc import Sequence
 
 import torch
 
-from hf_distca.linear.ops.fla_backend import fla_available, recurrence_fla
+from hf_distca.linear.config import LINEAR_BACKENDS
+from hf_distca.linear.ops.chunked import recurrence_chunked
+from hf_distca.linear.ops.fla_backend import (
+    FLA_FIX,
+    fla_available,
+    fla_kind,
+    fla_unsafe_reason_on,
+    recurrence_fla,
+)
 from hf_distca.linear.ops.recurrence import recurrence_reference
 
-__all__ = ["piece_transitions", "recurrence", "resolve_backend", "state_contribution"]
+__all__ = [
+    "prepare_backend",
+    "piece_transitions",
+    "recurrence",
+    "resolve_backend",
+    "state_contribution",
+]
+
+_RECURRENCES = {"reference": recurrence_reference, "chunked": recurrence_chunked, "fla": recurrence_fla}
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """The concrete backend for ``backend`` ('auto', 'reference' or 'fla') on ``device``."""
+def resolve_backend(
+    backend: str, device: torch.device, *, kind: str | None = None, dtype: torch.dtype | None = None
+) -> str:
+    """The concrete backend ('reference', 'chunked' or 'fla') for ``backend`` on ``device``.
+
+    ``kind``: the transition (one of ``fla_backend.FLA_KINDS``, see ``fla_kind``; None: any), ``dtype``:
+    q's dtype. 'auto' is 'reference' off CUDA; on CUDA 'fla' when fla imports and is correct for ``kind``
+    on this device, else 'chunked'. An explicit 'fla' that would be wrong raises a ValueError.
+    """
+    if backend not in LINEAR_BACKENDS:
+        raise ValueError(f"linear-attention backend must be one of {LINEAR_BACKENDS}, got {backend!r}")
+    if device.type != "cuda":
+        return "reference" if backend == "auto" else backend
     if backend == "auto":
-        return "fla" if device.type == "cuda" and fla_available() else "reference"
-    if backend not in ("reference", "fla"):
-        raise ValueError(f"linear-attention backend must be 'auto', 'reference' or 'fla', got {backend!r}")
+        safe = fla_available() and fla_unsafe_reason_on(device, kind, dtype) is None
+        return "fla" if safe else "chunked"
+    if backend == "fla":
+        reason = fla_unsafe_reason_on(device, kind, dtype)
+        if reason is not None:
+            raise ValueError(
+                f"backend='fla' cannot run the {kind or 'gated'} transition here: {reason}. {FLA_FIX}"
+            )
     return backend
+
+
+def prepare_backend(backend: str, kind: str | None, dtype: torch.dtype | None = None) -> str:
+    """Resolve ``backend`` for the device training will run on (the current CUDA device, else CPU) when a
+    model is prepared: an explicit 'fla' that is missing or wrong there raises now. Returns the concrete
+    backend."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    name = resolve_backend(backend, device or torch.device("cpu"), kind=kind, dtype=dtype)
+    if name == "fla" and device is not None and not fla_available():
+        raise ImportError("backend='fla' needs flash-linear-attention: pip install fla-core (and triton)")
+    return name
 
 
 def recurrence(
@@ -42,8 +91,8 @@ def recurrence(
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The recurrence over packed sequences with the chosen backend (see ``recurrence_reference``)."""
-    fn = recurrence_fla if resolve_backend(backend, q.device) == "fla" else recurrence_reference
-    return fn(
+    name = resolve_backend(backend, q.device, kind=fla_kind(log_decay, beta), dtype=q.dtype)
+    return _RECURRENCES[name](
         q,
         k,
         v,
