@@ -24,6 +24,7 @@ __all__ = [
     "UnsupportedFeatureError",
     "check_attention_call",
     "check_model_config",
+    "layer_windows",
 ]
 
 _SOFTCAP_KEYS = ("attn_logit_softcapping", "attn_softcap")
@@ -98,6 +99,20 @@ def _refuse_sinks(what: str) -> None:
         "no distca kernel computes (reference, torch_varlen, cudnn, flash_attn): they would be silently "
         "dropped. Use attn_implementation='eager' (or a kernels-hub flash attention with sinks) for this model"
     )
+
+
+def layer_windows(config: Any) -> list[int | None]:
+    """Each decoder layer's sliding window (None: full causal), as Transformers' attention modules read
+    it: ``config.sliding_window`` on the layers ``layer_types`` marks "sliding_attention" (Qwen2/Qwen3,
+    Gemma 3, gpt-oss), or on every layer without ``layer_types`` (Mistral)."""
+    layers = getattr(config, "num_hidden_layers", 0) or 0
+    window = getattr(config, "sliding_window", None)
+    if window is None or getattr(config, "use_sliding_window", True) is False:
+        return [None] * layers
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return [int(window)] * layers
+    return [int(window) if t == "sliding_attention" else None for t in types]
 
 
 def _check_causal(is_causal: Any, what: str) -> None:
