@@ -308,7 +308,10 @@ def test_sliding_window_shorter_than_documents_is_exact(arch):
     or the whole document (global layers), exactly as Transformers' SDPA per document."""
     docs = random_docs(DOC_SETS["mixed"], seed=11)
     model = tiny_model(arch, **WINDOWED[arch])
-    windows = [getattr(layer.self_attn, "sliding_window", model.config.sliding_window) for layer in model.model.layers]
+    windows = [
+        getattr(layer.self_attn, "sliding_window", model.config.sliding_window)
+        for layer in model.model.layers
+    ]
     assert 16 in windows and (arch == "mistral" or None in windows), windows
     ref_logits, ref_grads = per_document_reference(model, docs)
     logits, grads = packed_run(model, docs, **{k: v for k, v in packed_batch(docs).items() if k != "labels"})
@@ -570,7 +573,9 @@ def test_padding_mask_function_with_a_cache():
     assert distca_padding_mask(2, 1, 10, q_offset=3, attention_mask=None).tolist() == [[True] * 4] * 2
     assert distca_padding_mask(2, 4, 4, q_offset=0, attention_mask=None) is None
     window = types.SimpleNamespace(sliding_window=8)
-    with pytest.raises(UnsupportedFeatureError, match="holds keys from position 1 on.*generate past the window"):
+    with pytest.raises(
+        UnsupportedFeatureError, match="holds keys from position 1 on.*generate past the window"
+    ):
         distca_padding_mask(1, 1, 8, q_offset=8, kv_offset=1, config=window)
     with pytest.raises(UnsupportedFeatureError, match="holds keys from position 2 on"):
         distca_padding_mask(1, 1, 8, q_offset=9, kv_offset=2, config=types.SimpleNamespace())
@@ -817,7 +822,9 @@ def test_windowed_models_cut_over_three_processes():
     results = run_distributed(_windowed_worker, 3, cases, timeout=300.0)
     for i, (arch, _, _) in enumerate(cases):
         model = tiny_model(arch, attn="sdpa", **WINDOWED[arch])
-        ref = torch.cat([model(input_ids=torch.tensor([d]), use_cache=False).logits[0] for d in docs])  # (T, V)
+        ref = torch.cat(
+            [model(input_ids=torch.tensor([d]), use_cache=False).logits[0] for d in docs]
+        )  # (T, V)
         weights = torch.randn(ref.shape, generator=torch.Generator().manual_seed(43))
         (ref * weights).sum().backward()
         ref_grads = grads_of(model)

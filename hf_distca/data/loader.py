@@ -179,7 +179,9 @@ class DistCABatches(IterableDataset):
             )
             for rank, rank_pieces in enumerate(pieces):
                 total[rank] += sum(
-                    attended_pairs(p.doc_start, p.doc_start + p.length, w) for w in windows for p in rank_pieces
+                    attended_pairs(p.doc_start, p.doc_start + p.length, w)
+                    for w in windows
+                    for p in rank_pieces
                 )
         return total
 
