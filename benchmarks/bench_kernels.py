@@ -15,6 +15,14 @@ beyond the inputs (outputs, lse, gradients and workspaces included). Also measur
 plan builds (first call, a new shape) and of rounding plan shapes up (``bucket_shapes`` off vs on).
 
     python benchmarks/bench_kernels.py --doclens prolong.json --out benchmarks/results/kernels.md
+
+``--windows 1024 2048 4096 8192``: sliding-window kernels instead: one document of ``--tokens`` tokens
+(64K) as full causal and under each window, every variant, forward and forward+backward TFLOP/s with the
+pairs each window really computes (min(i + 1, W) per query: hf_distca.planning.window.attended_pairs),
+and the time relative to full causal. ``--smoke`` runs that mode on the CPU with the reference kernel
+and tiny sizes (a check that the script starts, not a measurement).
+
+    python benchmarks/bench_kernels.py --windows 1024 2048 4096 8192 --out benchmarks/results/kernels_window_h200.md
 """
 
 from __future__ import annotations
@@ -56,7 +64,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed calls before timing")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions; the median is reported")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--windows",
+        type=int,
+        nargs="*",
+        default=None,
+        help="sliding-window mode: these windows on one document",
+    )
+    p.add_argument("--smoke", action="store_true", help="the windows mode on the CPU, reference kernel, tiny")
     args = p.parse_args(argv)
+    if args.smoke:
+        args.windows = args.windows or [64, 128]
+        args.tokens, args.heads, args.kv_heads, args.head_dim = min(args.tokens, 512), 4, 2, 16
+        args.warmup, args.reps = 0, 1
+        args.variants = ["reference"]
+        return args
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown:
@@ -66,9 +88,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def visible_pairs(q_len: int, k_len: int) -> int:
-    """(query, key) pairs a bottom-right causal sequence computes."""
-    return q_len * (k_len - q_len) + q_len * (q_len + 1) // 2
+def visible_pairs(q_len: int, k_len: int, window: int | None = None) -> int:
+    """(query, key) pairs a bottom-right causal sequence computes (under a sliding window: min(i + 1, W)
+    per query, hf_distca.planning.window.attended_pairs)."""
+    from hf_distca.planning.window import attended_pairs
+
+    return attended_pairs(k_len - q_len, k_len, window)
 
 
 def mixed_lengths(total: int, lo: int, hi: int, seed: int) -> list[int]:
@@ -158,8 +183,8 @@ def set_variant(variant: str) -> str:
 
 
 def make_inputs(q_lens, k_lens, args, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    dev, dt = "cuda", torch.bfloat16
+    dev, dt = ("cpu", torch.float32) if args.smoke else ("cuda", torch.bfloat16)
+    g = torch.Generator(device=dev).manual_seed(seed)
     q = torch.randn(sum(q_lens), args.heads, args.head_dim, device=dev, generator=g).to(dt)  # (Tq, Hq, D)
     k = torch.randn(sum(k_lens), args.kv_heads, args.head_dim, device=dev, generator=g).to(dt)  # (Tk, Hkv, D)
     v = torch.randn(sum(k_lens), args.kv_heads, args.head_dim, device=dev, generator=g).to(dt)  # (Tk, Hkv, D)
@@ -243,8 +268,93 @@ def plan_costs(args) -> list[str]:
     return lines
 
 
+def time_any_ms(fn: Callable[[], None], args) -> float:
+    """time_ms on CUDA; wall-clock on the CPU (--smoke)."""
+    if not args.smoke:
+        return time_ms(fn, args.warmup, args.reps)
+    times = []
+    for _ in range(args.reps):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def windows_main(args, command: str) -> int:
+    """One document of args.tokens tokens: full causal and each window, every variant (see the docstring)."""
+    from hf_distca.kernels import attention_backward, attention_forward, available_backends
+
+    if args.smoke:
+        variants, header = ["reference"], "CPU smoke run (reference kernel, float32): not a measurement"
+    else:
+        usable = available_backends(torch.device("cuda"), torch.bfloat16)
+        variants = [v for v in args.variants if v.partition(":")[0] in usable]
+        header = (
+            f"{torch.cuda.get_device_name(0)}; torch {torch.__version__}, CUDA {torch.version.cuda}, "
+            f"cuDNN {torch.backends.cudnn.version()}"
+        )
+    n = args.tokens
+    q, k, v, dout, kargs = make_inputs([n], [n], args)
+    lines = [
+        "# Sliding-window varlen attention: one document, full causal vs windows",
+        "",
+        f"- command: `{command}`",
+        f"- {header}",
+        f"- one document of {n} tokens, {args.heads} query / {args.kv_heads} KV heads x {args.head_dim}; "
+        f"TFLOP/s count the pairs each window computes (min(i + 1, W) per query), forward = "
+        f"{FWD_FLOPS_PER_PAIR} x Hq x D per pair, forward+backward = {FWD_BWD_FACTOR} x that; "
+        f"median of {args.reps} after {args.warmup} warm-ups",
+        "",
+        "| window | pairs / causal | variant | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | time / causal |",
+        "|---|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    causal_ms: dict[str, float] = {}
+    for window in [None, *args.windows]:
+        pairs = visible_pairs(n, n, window)
+        for variant in variants:
+            backend = set_variant(variant)
+
+            def fwd(backend=backend, window=window):
+                return attention_forward(q, k, v, *kargs, backend=backend, window=window)
+
+            def fwd_bwd(fwd=fwd, backend=backend, window=window):
+                out, lse = fwd()
+                attention_backward(dout, q, k, v, out, lse, *kargs, backend=backend, window=window)
+
+            label = "causal" if window is None else str(window)
+            try:
+                fwd_bwd()
+                fwd_ms, fwd_bwd_ms = time_any_ms(fwd, args), time_any_ms(fwd_bwd, args)
+            except Exception as err:  # one failing variant must not hide the others' numbers
+                traceback.print_exc()
+                lines.append(f"| {label} | | {variant} | error: {type(err).__name__}: {str(err)[:120]} |||||")
+                continue
+            if window is None:
+                causal_ms[variant] = fwd_bwd_ms
+            flops = FWD_FLOPS_PER_PAIR * args.heads * args.head_dim * pairs
+            ratio = fwd_bwd_ms / causal_ms[variant] if variant in causal_ms else float("nan")
+            lines.append(
+                f"| {label} | {pairs / visible_pairs(n, n):.3f} | {variant} | {fwd_ms:.2f} | "
+                f"{flops / (fwd_ms * 1e-3) / 1e12:.1f} | {fwd_bwd_ms:.2f} | "
+                f"{FWD_BWD_FACTOR * flops / (fwd_bwd_ms * 1e-3) / 1e12:.1f} | {ratio:.3f} |"
+            )
+            print(lines[-1], flush=True)
+    text = "\n".join(lines) + "\n"
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            f.write(text)
+        print(f"wrote {args.out}")
+    print(text)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    script_args = sys.argv[1:] if argv is None else argv
+    command = " ".join(shlex.quote(a) for a in ["python", "benchmarks/bench_kernels.py", *script_args])
+    if args.windows and args.smoke:
+        return windows_main(args, command)
     if not torch.cuda.is_available():
         print("bench_kernels.py needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
@@ -253,8 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     usable = available_backends(torch.device("cuda"), torch.bfloat16)
     variants = [v for v in args.variants if v.partition(":")[0] in usable]
     skipped = [v for v in args.variants if v not in variants]
-    script_args = sys.argv[1:] if argv is None else argv
-    command = " ".join(shlex.quote(a) for a in ["python", "benchmarks/bench_kernels.py", *script_args])
+    if args.windows:
+        return windows_main(args, command)
     lines = [
         "# Varlen attention kernels: throughput and peak memory",
         "",

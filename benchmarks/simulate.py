@@ -82,6 +82,7 @@ from hf_distca.data.baselines import LAYOUTS
 from hf_distca.planning import MeasuredCost, plan_core_attention
 from hf_distca.planning.cost import causal_pairs
 from hf_distca.planning.links import attention_flops_per_pair
+from hf_distca.planning.window import kv_start
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from workloads import documents_for, draw_lengths, global_batches, load_sample  # noqa: E402
@@ -341,15 +342,17 @@ def kv_fanout(plan) -> int:
     """Most servers reading part of one document's KV prefix from the same holder (the holder sends it
     to each of them in every layer)."""
     readers: dict[tuple[int, int], int] = {}
-    for server, prefixes in enumerate(plan.kv_prefix):
-        for doc, prefix in prefixes.items():
-            for holder in {h for h, _, _ in plan.index.segments(doc, 0, prefix)} - {server}:
+    for server, per_doc in enumerate(plan.kv_ranges):
+        for doc, ranges in per_doc.items():
+            holders = {h for lo, hi in ranges for h, _, _ in plan.index.segments(doc, lo, hi)}
+            for holder in holders - {server}:
                 readers[doc, holder] = readers.get((doc, holder), 0) + 1
     return max(readers.values(), default=0)
 
 
 def traffic(plan, q_row_bytes: int, kv_row_bytes: int) -> tuple[np.ndarray, np.ndarray]:
-    """(Q, KV): bytes of query rows / KV-prefix rows that rank h (row) holds for server s (column)."""
+    """(Q, KV): bytes of query rows / key rows (the plan's key ranges: KV prefixes without a sliding
+    window) that rank h (row) holds for server s (column)."""
     world = plan.world_size
     q = np.zeros((world, world))
     kv = np.zeros((world, world))
@@ -358,10 +361,11 @@ def traffic(plan, q_row_bytes: int, kv_row_bytes: int) -> tuple[np.ndarray, np.n
             for holder, _, n in plan.index.segments(t.doc_id, t.q_start, t.q_end):
                 if holder != server:
                     q[holder, server] += n * q_row_bytes
-        for doc, prefix in plan.kv_prefix[server].items():
-            for holder, _, n in plan.index.segments(doc, 0, prefix):
-                if holder != server:
-                    kv[holder, server] += n * kv_row_bytes
+        for doc, ranges in plan.kv_ranges[server].items():
+            for lo, hi in ranges:
+                for holder, _, n in plan.index.segments(doc, lo, hi):
+                    if holder != server:
+                        kv[holder, server] += n * kv_row_bytes
     return q, kv
 
 
@@ -437,7 +441,16 @@ def price_plan(plan, s: Setting) -> MicroBatch:
         for h in holding:
             tokens[h.rank] += h.doc_end - h.doc_start
     linear = np.array([s.linear.seconds(int(n), layers) for n in tokens])
-    attention = np.array([sum(seconds(t.q_len, t.q_end) for t in tasks) for tasks in plan.tasks]) * layers
+    # a task's shape: its queries over the keys it reads (its prefix, or its window's keys)
+    attention = (
+        np.array(
+            [
+                sum(seconds(t.q_len, t.q_end - kv_start(t.q_start, plan.window)) for t in tasks)
+                for tasks in plan.tasks
+            ]
+        )
+        * layers
+    )
     q, kv = traffic(plan, s.model.q_row_bytes, s.model.kv_row_bytes)
     layer_phases = phases(q, kv, s.recompute)
     comm = layers * sum(s.links.phase_seconds(m) for m in layer_phases)

@@ -36,7 +36,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from hf_distca.config import DistCAConfig
 from hf_distca.engine import core_attention, local_attention
 from hf_distca.engine.compiled import compiled_core_attention, compiled_local_attention, register_runtime
-from hf_distca.features import UnsupportedFeatureError, check_attention_call, check_window
+from hf_distca.features import UnsupportedFeatureError, check_attention_call
 from hf_distca.packing import (
     Unpadded,
     cu_seqlens_from_lengths,
@@ -138,12 +138,10 @@ def distca_padding_mask(
     if kv_offset:
         # the layer's keys start at position kv_offset: a sliding-window cache dropped the earlier ones
         # once the sequence outgrew the window (or the cache follows a layout distca does not know)
-        seen = int(q_offset) + q_length
-        check_window(getattr(kwargs.get("config"), "sliding_window", None), seen)
         raise UnsupportedFeatureError(
-            f"the KV cache holds keys from position {int(kv_offset)} on, not the whole sequence; "
-            "attn_implementation='distca' attends to every key of the sequence. Use attn_implementation='sdpa' "
-            "for this cache"
+            f"the KV cache holds keys from position {int(kv_offset)} on, not the whole sequence (a "
+            "sliding-window cache once generation passes the window); attn_implementation='distca' decodes "
+            "over the whole sequence's keys. Use attn_implementation='sdpa' to generate past the window"
         )
     if attention_mask is None:
         seen = int(q_offset) + q_length  # tokens so far: keys [0, seen) of a static cache are filled
@@ -299,12 +297,15 @@ def _run_local(
     local: _LocalBatch,
     scale: float | None,
     config: DistCAConfig,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of local documents, no communication. q: (T, Hq, D); k, v: (T, Hkv, D)."""
     if q.shape[0] == 0:
         return q * 0  # (0, Hq, D), nothing to attend (every row fully padded)
     cu = local.cu(torch.device("cpu"))  # offsets on the host: the kernels read them there
-    return local_attention(q, k, v, cu, cu, local.max_len, local.max_len, scale=scale, backend=config.backend)
+    return local_attention(
+        q, k, v, cu, cu, local.max_len, local.max_len, scale=scale, backend=config.backend, window=window
+    )
 
 
 def _run_distributed(
@@ -332,12 +333,6 @@ def _run_distributed(
     mask = _padding_mask(attention_mask, batch, seq)
     if mask is not None and not bool(mask.bool().all()):
         raise ValueError("with a distca_layout the packed row must not be padded; drop the attention_mask")
-    if kwargs.get("sliding_window") is not None:
-        doc_len: dict[int, int] = {}
-        for rank_pieces in layout.all_pieces:
-            for doc, start, length in rank_pieces:
-                doc_len[doc] = max(doc_len.get(doc, 0), start + length)
-        check_window(kwargs["sliding_window"], max(doc_len.values(), default=0))
     out = core_attention(
         _flat(query),
         _flat(key),
@@ -347,6 +342,7 @@ def _run_distributed(
         config=runtime.config,
         scale=scaling,
         all_pieces=layout.all_pieces,  # the same object for every layer: ranks are checked once per layout
+        window=kwargs.get("sliding_window"),  # this layer's (Transformers passes it to sliding layers)
     )  # (S, Hq, D)
     return out.view(batch, seq, *out.shape[1:])  # (1, S, Hq, D)
 
@@ -420,7 +416,6 @@ def _run_with_past(
     batch, num_heads, seq, head_dim = query.shape
     n = key.shape[2] if mask is None else mask.shape[1]
     past = _past_batch(batch, seq, n, mask, query.device)
-    check_window(kwargs.get("sliding_window"), max(past.kv_lengths, default=0))
     q = _flat(query)  # (B * S_q, Hq, D)
     k, v = _flat(key[:, :, :n]), _flat(value[:, :, :n])  # (B * n, Hkv, D)
     if past.q_index is not None:
@@ -439,6 +434,7 @@ def _run_with_past(
             max(past.kv_lengths),
             scale=scaling,
             backend=config.backend,
+            window=kwargs.get("sliding_window"),
         )  # (T_q, Hq, D)
     if past.q_index is not None:
         out = scatter_rows(out, Unpadded(past.q_index, past.q_lengths, batch * seq))  # (B * S_q, Hq, D)
@@ -551,12 +547,11 @@ def distca_attention_forward(
         return _run_with_past(query, key, value, mask, scaling, config, kwargs), None
 
     local = _local_batch(batch, seq, mask, kwargs)
-    check_window(kwargs.get("sliding_window"), local.max_len)
     q, k, v = _flat(query), _flat(key), _flat(value)  # (B * S, H, D)
     if local.unpadded is not None:
         idx = local.unpadded.indices
         q, k, v = q.index_select(0, idx), k.index_select(0, idx), v.index_select(0, idx)  # (T, H, D)
-    out = _run_local(q, k, v, local, scaling, config)  # (T, Hq, D)
+    out = _run_local(q, k, v, local, scaling, config, kwargs.get("sliding_window"))  # (T, Hq, D)
     if local.unpadded is not None:
         out = scatter_rows(out, local.unpadded)  # (B * S, Hq, D), zeros at padding
     return out.view(batch, seq, num_heads, head_dim), None  # (B, S, Hq, D)

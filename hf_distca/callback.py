@@ -27,6 +27,7 @@ from hf_distca.checkpointing import switch_trainer_checkpointing
 from hf_distca.config import DistCAConfig
 from hf_distca.data.loader import DistCABatches, DistCADataLoader, TokenDocuments
 from hf_distca.data.rebatch import LayoutFn, layout_balanced, layout_pieces
+from hf_distca.features import layer_windows
 from hf_distca.validation import (
     attention_server_group,
     check_launch,
@@ -119,6 +120,7 @@ class DistCACallback(TrainerCallback):
         self._layers = 0
         self._flops_per_pair = 0.0
         self._group = None
+        self._windows: list[int | None] = []  # per layer, for the attention load before balancing
 
     # ------------------------------------------------------------------ DistCATrainer's side
     def _bind(self, trainer) -> None:
@@ -142,9 +144,7 @@ class DistCACallback(TrainerCallback):
                 f"the attention-server group of Accelerate's mesh is rank {group_rank} of {group_size}, but the "
                 f"Trainer's data-parallel rank is {args.process_index} of {world}; DistCA needs them equal"
             )
-        check_model_supported(
-            model, max_document_tokens=self.tokens_per_rank * world, disaggregate=self.disaggregate
-        )
+        check_model_supported(model, disaggregate=self.disaggregate)
         if trainer.train_dataset is None:
             raise ValueError("DistCACallback needs DistCATrainer(train_dataset=...) with tokenized documents")
         documents = TokenDocuments(trainer.train_dataset, column=self.column)
@@ -218,7 +218,8 @@ class DistCACallback(TrainerCallback):
         heads = getattr(cfg, "num_attention_heads", 0) or 0
         head_dim = getattr(cfg, "head_dim", None) or (getattr(cfg, "hidden_size", 0) // max(heads, 1))
         self._layers = getattr(cfg, "num_hidden_layers", 0) or 0
-        self._flops_per_pair = 4.0 * heads * head_dim * self._layers
+        self._windows = layer_windows(cfg) if cfg is not None else []
+        self._flops_per_pair = 4.0 * heads * head_dim
         self.records, self._unlogged = [], []
         if args.process_index == 0 and self.metrics_file:
             self._start_metrics_file(args, state.global_step)
@@ -254,8 +255,9 @@ class DistCACallback(TrainerCallback):
         floats = _gather(
             torch.tensor([elapsed, loss, *(counters[k] for k in float_names)], dtype=torch.float64), world
         )
-        before = [p * self._flops_per_pair for p in self.batches.layout_load(self.batches.current_step)]
-        token_layout = self.batches.layout_load(self.batches.current_step, layout=layout_pieces)
+        step, windows = self.batches.current_step, self._windows  # every layer's pairs, its own window
+        before = [p * self._flops_per_pair for p in self.batches.layout_load(step, windows=windows)]
+        token_layout = self.batches.layout_load(step, layout=layout_pieces, windows=windows)
         if stats.flops_after and stats.calls:
             # the engine sums every call, recomputes included: scale to one forward per layer and micro-batch
             scale = self._layers * grad_accum / stats.calls

@@ -1,15 +1,15 @@
 """What ``attn_implementation="distca"`` refuses: the one place that decides it.
 
-The distca kernels compute plain causal softmax attention, document by document. A model feature that
-changes that math (bidirectional or cross-attention, logit softcapping, attention sinks, attention
-dropout in training, a sliding window shorter than a document) would be silently ignored, so it is
-refused with :class:`UnsupportedFeatureError` instead. Two entry points share the checks and their
-messages:
+The distca kernels compute causal softmax attention, document by document, optionally inside a sliding
+window (each layer's ``sliding_window``: Mistral, Qwen2/Qwen3 with ``use_sliding_window``, Gemma 3's local
+layers). A model feature that changes that math would be silently ignored, so it is refused with
+:class:`UnsupportedFeatureError` instead: bidirectional or cross-attention, attention logit softcapping
+(Gemma 2: ``attn_logit_softcapping``), attention sinks (gpt-oss: ``s_aux``), attention dropout in
+training. Two entry points share the checks and their messages:
 
-- :func:`check_model_config`: before training (the callback's pre-flight), from the model config and
-  the longest document a micro-batch can hold;
+- :func:`check_model_config`: before training (the callback's pre-flight), from the model config;
 - :func:`check_attention_call`: on every call of the attention function, from the module and the
-  keyword arguments Transformers passes; :func:`check_window` once document lengths are known.
+  keyword arguments Transformers passes.
 
 ``output_attentions=True`` changes no math but asks for weights distca never builds: it warns (as
 Transformers' ``sdpa`` does) and the model's ``attentions`` output holds none.
@@ -28,18 +28,15 @@ __all__ = [
     "UnsupportedFeatureError",
     "check_attention_call",
     "check_model_config",
-    "check_window",
+    "layer_windows",
 ]
 
 _SOFTCAP_KEYS = ("attn_logit_softcapping", "attn_softcap")
 
 
-def check_model_config(config: Any, *, model_name: str, max_document_tokens: int) -> None:
-    """Pre-flight: refuse a model whose attention distca cannot compute exactly.
-
-    ``max_document_tokens``: the longest document a micro-batch can hold (tokens_per_rank x world size);
-    a sliding window at least that long never cuts a document, so it is exact.
-    """
+def check_model_config(config: Any, *, model_name: str) -> None:
+    """Pre-flight: refuse a model whose attention distca cannot compute exactly (sliding windows of any
+    length are computed exactly)."""
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedFeatureError(
             f"{model_name} is an encoder-decoder model: cross-attention is not supported by "
@@ -48,9 +45,8 @@ def check_model_config(config: Any, *, model_name: str, max_document_tokens: int
     _check_causal(getattr(config, "is_causal", True), f"{model_name}'s config")
     for key in _SOFTCAP_KEYS:
         _check_softcap(getattr(config, key, None), f"{model_name} ({key})")
-    window = getattr(config, "sliding_window", None)
-    if window is not None and getattr(config, "use_sliding_window", True) is not False:
-        check_window(window, max_document_tokens, pre_flight=True)
+    if getattr(config, "model_type", None) == "gpt_oss":
+        _refuse_sinks(model_name)
     _check_dropout(getattr(config, "attention_dropout", 0.0) or 0.0, model_name)
 
 
@@ -60,8 +56,7 @@ def check_attention_call(
     """Per call of the attention function: shapes, and every feature the call asks for.
 
     query: (B, Hq, S_q, D); key: (B, Hkv, S_k, D) with S_q <= S_k (keys beyond the queries are past keys
-    from a KV cache). The sliding window is checked later, with :func:`check_window`, once document
-    lengths are known.
+    from a KV cache). ``sliding_window`` must be None or a positive int.
     """
     if query.dim() != 4 or key.dim() != 4:
         raise ValueError(
@@ -91,10 +86,10 @@ def check_attention_call(
         _check_causal(getattr(config, "is_causal", True), f"{name}'s config")
     _check_softcap(kwargs.get("softcap"), name)
     if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
-        raise UnsupportedFeatureError(
-            f"{name} uses attention sinks (s_aux), which attn_implementation='distca' does not support; use "
-            "attn_implementation='eager' for this model"
-        )
+        _refuse_sinks(name)
+    window = kwargs.get("sliding_window")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"{name}: sliding_window must be a positive int or None, got {window!r}")
     if module.training:
         _check_dropout(dropout or 0.0, name)
     if kwargs.get("output_attentions"):
@@ -107,25 +102,26 @@ def check_attention_call(
         )
 
 
-def check_window(sliding_window: int | None, longest: int, *, pre_flight: bool = False) -> None:
-    """Refuse a sliding window shorter than the longest document.
-
-    Transformers' sliding window lets query i see key j when i - j < window, so it never cuts a
-    document of at most ``window`` tokens: causal attention over it is exactly sliding-window attention.
-    """
-    if sliding_window is None or longest <= sliding_window:
-        return
-    subject = (
-        f"documents may reach {longest} tokens (tokens_per_rank x world size), which"
-        if pre_flight
-        else f"a document of {longest} tokens"
-    )
+def _refuse_sinks(what: str) -> None:
     raise UnsupportedFeatureError(
-        f"{subject} is longer than the model's sliding window (sliding_window={sliding_window}); "
-        "sliding-window attention is not supported by attn_implementation='distca'. Keep documents at most "
-        f"{sliding_window} tokens (tokens_per_rank x world size <= {sliding_window}), or set the config's "
-        "sliding_window=None (use_sliding_window=False) to train with full causal attention"
+        f"{what} uses attention sinks (s_aux: a learned per-head logit in every softmax, gpt-oss), which "
+        "no distca kernel computes (reference, torch_varlen, cudnn, flash_attn): they would be silently "
+        "dropped. Use attn_implementation='eager' (or a kernels-hub flash attention with sinks) for this model"
     )
+
+
+def layer_windows(config: Any) -> list[int | None]:
+    """Each decoder layer's sliding window (None: full causal), as Transformers' attention modules read
+    it: ``config.sliding_window`` on the layers ``layer_types`` marks "sliding_attention" (Qwen2/Qwen3,
+    Gemma 3, gpt-oss), or on every layer without ``layer_types`` (Mistral)."""
+    layers = getattr(config, "num_hidden_layers", 0) or 0
+    window = getattr(config, "sliding_window", None)
+    if window is None or getattr(config, "use_sliding_window", True) is False:
+        return [None] * layers
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return [int(window)] * layers
+    return [int(window) if t == "sliding_attention" else None for t in types]
 
 
 def _check_causal(is_causal: Any, what: str) -> None:
@@ -139,8 +135,10 @@ def _check_causal(is_causal: Any, what: str) -> None:
 def _check_softcap(softcap: float | None, what: str) -> None:
     if softcap:
         raise UnsupportedFeatureError(
-            f"{what} uses attention logit softcapping (softcap={softcap}), which attn_implementation='distca' "
-            "does not support; use attn_implementation='eager' or 'sdpa' for this model"
+            f"{what} uses attention logit softcapping (softcap={softcap}: scores squashed by softcap x "
+            "tanh(score / softcap), Gemma 2), which no distca kernel computes (reference, torch_varlen, cudnn, "
+            "flash_attn); use attn_implementation='eager' (or 'flash_attention_2', which computes it) for "
+            "this model. Gemma 3 has none (attn_logit_softcapping=None) and trains with distca"
         )
 
 

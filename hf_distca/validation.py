@@ -31,15 +31,14 @@ def check_launch(args) -> int:
     return seen
 
 
-def check_model_supported(model, *, max_document_tokens: int, disaggregate: bool = True) -> None:
+def check_model_supported(model, *, disaggregate: bool = True) -> None:
     """Raise before training for a model DistCA cannot serve exactly (see :mod:`hf_distca.features`).
 
-    max_document_tokens: the longest document a micro-batch can hold (tokens_per_rank x world).
     disaggregate: the model must then use ``attn_implementation="distca"``."""
     cfg = getattr(model, "config", None)
     if cfg is None:
         raise ValueError("DistCA needs a transformers PreTrainedModel (a model with a .config)")
-    check_model_config(cfg, model_name=type(model).__name__, max_document_tokens=max_document_tokens)
+    check_model_config(cfg, model_name=type(model).__name__)
     impl = getattr(cfg, "_attn_implementation", None)
     if disaggregate and impl != "distca":
         raise ValueError(

@@ -26,7 +26,7 @@ from hf_distca.cli import add_config_arguments, config_from_args
 from hf_distca.data.baselines import LAYOUTS
 
 BUILTIN_MODELS = {
-    # name: (config overrides for LlamaConfig), random init, no download
+    # name: config fields (of LlamaConfig unless BUILTIN_CONFIG_CLASSES names another), random init, no download
     "tiny-llama": dict(
         hidden_size=128,
         intermediate_size=256,
@@ -45,7 +45,47 @@ BUILTIN_MODELS = {
         rope_theta=500000.0,
         vocab_size=128256,
     ),
+    # sliding-window models (distca computes each layer's window exactly; see README "Supported")
+    "tiny-mistral": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=65536,
+        sliding_window=256,  # every layer
+    ),
+    "tiny-gemma3": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        query_pre_attn_scalar=32,
+        max_position_embeddings=65536,
+        sliding_window=256,
+        sliding_window_pattern=3,  # 2 local (sliding) layers to 1 global, as Gemma 3's 5:1
+    ),
+    "gemma3-4b-shaped": dict(  # google/gemma-3-4b-pt's text model: 5 local layers (window 1024) to 1 global
+        hidden_size=2560,
+        intermediate_size=10240,
+        num_hidden_layers=34,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        max_position_embeddings=131072,
+        sliding_window=1024,
+        vocab_size=262208,
+    ),
 }
+BUILTIN_CONFIG_CLASSES = {
+    "tiny-mistral": "MistralConfig",
+    "tiny-gemma3": "Gemma3TextConfig",
+    "gemma3-4b-shaped": "Gemma3TextConfig",
+}
+"""Built-in models' Transformers config class; LlamaConfig for the others."""
 # --attn: distca balances core attention over ranks; the others are baselines on the same data path,
 # attending only within each rank's own pieces ("local" runs the distca kernels without dispatch)
 LENGTHS_VOCAB = 4096  # vocabulary of the --doc-lengths documents
@@ -181,17 +221,21 @@ def built_whole(training_args):
         set_hf_deepspeed_config(holder)
 
 
+def builtin_config(name: str, **overrides):
+    """The Transformers config of built-in model ``name`` (random init, no download), with ``overrides``."""
+    import transformers
+
+    config_class = getattr(transformers, BUILTIN_CONFIG_CLASSES.get(name, "LlamaConfig"))
+    return config_class(**{**BUILTIN_MODELS[name], **overrides}, tie_word_embeddings=False)
+
+
 def build_model(args, vocab_size: int, dtype: torch.dtype, training_args=None):
     attn = ATTN[args.attn]
     if args.model in BUILTIN_MODELS:
-        from transformers import LlamaConfig
-
-        overrides = dict(BUILTIN_MODELS[args.model])
-        overrides.setdefault("vocab_size", vocab_size)
-        overrides["vocab_size"] = max(overrides["vocab_size"], vocab_size)
+        overrides = {"vocab_size": max(BUILTIN_MODELS[args.model].get("vocab_size", vocab_size), vocab_size)}
         if args.num_layers:
             overrides["num_hidden_layers"] = args.num_layers
-        config = LlamaConfig(**overrides, tie_word_embeddings=False)
+        config = builtin_config(args.model, **overrides)
         torch.manual_seed(args.seed)  # seeds every device: identical weights on every rank
         # random init on the rank's GPU is much faster than on the CPU for billion-parameter shapes
         device = (

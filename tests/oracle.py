@@ -26,8 +26,24 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, kind: str, msg: s
 
 
 # ----------------------------------------------------------------------------------------------- oracle
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None):
-    """One document: q (L, Hq, D), k/v (L, Hkv, D) -> (L, Hq, D); query i sees keys 0..i.
+def visible(lq: int, lk: int, window: int | None = None) -> torch.Tensor:
+    """(lq, lk) bool: query r, the key position r + lk - lq (queries are the last lq positions of the
+    keys), sees key j iff 0 <= (r + lk - lq) - j < window (any j <= r + lk - lq when window is None):
+    Transformers' ``sliding_window_causal_mask_function`` (kv_idx > q_idx - window, kv_idx <= q_idx),
+    filled element by element."""
+    mask = torch.zeros(lq, lk, dtype=torch.bool)
+    for r in range(lq):
+        i = r + lk - lq
+        for j in range(lk):
+            mask[r, j] = i - j >= 0 and (window is None or i - j < window)
+    return mask
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, window: int | None = None
+):
+    """One document: q (L, Hq, D), k/v (L, Hkv, D) -> (L, Hq, D); query i sees keys 0..i (with a sliding
+    ``window``: keys j with i - j < window).
 
     GQA: query head h uses key/value head h // (Hq // Hkv) (the repeat_interleave convention of
     Transformers' repeat_kv)."""
@@ -38,18 +54,22 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     v = v.repeat_interleave(groups, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # (Hq, L, L)
     mask = torch.ones(length, length, dtype=torch.bool).tril()  # mask[i, j]: query i may see key j
+    if window is not None:
+        mask &= ~torch.ones(length, length, dtype=torch.bool).tril(-window)  # and i - j < window
     scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
-def oracle_attention(q_all, k_all, v_all, doc_lens: Sequence[int], scale: float | None = None):
+def oracle_attention(
+    q_all, k_all, v_all, doc_lens: Sequence[int], scale: float | None = None, window: int | None = None
+):
     """Documents concatenated along dim 0 (in the order of ``doc_lens``) -> their outputs, concatenated."""
     outs, start = [], 0
     for n in doc_lens:
         outs.append(
             causal_attention(
-                q_all[start : start + n], k_all[start : start + n], v_all[start : start + n], scale
+                q_all[start : start + n], k_all[start : start + n], v_all[start : start + n], scale, window
             )
         )
         start += n
@@ -58,10 +78,12 @@ def oracle_attention(q_all, k_all, v_all, doc_lens: Sequence[int], scale: float 
     return torch.cat(outs)
 
 
-def oracle_with_grads(q_all, k_all, v_all, weights, doc_lens, scale=None, compute_dtype=torch.float64):
+def oracle_with_grads(
+    q_all, k_all, v_all, weights, doc_lens, scale=None, compute_dtype=torch.float64, window=None
+):
     """Outputs and gradients of loss = sum(out * weights), all computed in ``compute_dtype``."""
     leaves = [t.detach().to(compute_dtype).requires_grad_(True) for t in (q_all, k_all, v_all)]
-    out = oracle_attention(*leaves, doc_lens, scale)
+    out = oracle_attention(*leaves, doc_lens, scale, window)
     (out * weights.to(compute_dtype)).sum().backward()
     return out.detach(), *(t.grad for t in leaves)
 

@@ -23,6 +23,7 @@ from tolerances import TOL
 from transformers import (
     AutoModelForCausalLM,
     DataCollatorWithFlattening,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
     Qwen2Config,
@@ -42,7 +43,13 @@ from hf_distca.packing import (
     unpad,
 )
 
-CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}
+CONFIGS = {
+    "llama": LlamaConfig,
+    "qwen2": Qwen2Config,
+    "qwen3": Qwen3Config,
+    "mistral": MistralConfig,
+    "gemma3": Gemma3TextConfig,  # Gemma3ForCausalLM: 5 sliding-window layers to 1 global by default
+}
 DOC_SETS = {
     # length-1 documents, odd lengths, one long (~300) document
     "mixed": [1, 7, 300, 2, 33, 1, 64, 5],
@@ -66,6 +73,8 @@ def tiny_config(arch: str, **overrides):
     )
     if arch == "mistral":
         kwargs["sliding_window"] = None
+    if arch == "gemma3":  # its scaling is query_pre_attn_scalar ** -0.5, not head_dim ** -0.5
+        kwargs.update(num_hidden_layers=6, query_pre_attn_scalar=24, sliding_window=16)
     kwargs.update(overrides)
     return CONFIGS[arch](**kwargs)
 
@@ -282,13 +291,37 @@ def test_sliding_window_not_shorter_than_documents_is_exact():
     assert_grads_close(grads, ref_grads)
 
 
-def test_sliding_window_shorter_than_a_document_raises():
+WINDOWED = {
+    # every layer windowed
+    "mistral": dict(sliding_window=16),
+    # Qwen2/Qwen3: layers from max_window_layers on are windowed (layer_types), the first one global
+    "qwen2": dict(use_sliding_window=True, sliding_window=16, max_window_layers=1),
+    "qwen3": dict(use_sliding_window=True, sliding_window=16, max_window_layers=1),
+    # 5 local (window 16) layers to 1 global, query_pre_attn_scalar scaling
+    "gemma3": {},
+}
+
+
+@pytest.mark.parametrize("arch", sorted(WINDOWED))
+def test_sliding_window_shorter_than_documents_is_exact(arch):
+    """Documents up to 300 tokens, windows of 16: each layer attends within its own window (sliding layers)
+    or the whole document (global layers), exactly as Transformers' SDPA per document."""
     docs = random_docs(DOC_SETS["mixed"], seed=11)
-    model = tiny_model("mistral", sliding_window=299)
-    with pytest.raises(
-        UnsupportedFeatureError, match=r"document of 300 tokens is longer than .* \(sliding_window=299\)"
-    ):
-        model(**packed_batch(docs))
+    model = tiny_model(arch, **WINDOWED[arch])
+    windows = [
+        getattr(layer.self_attn, "sliding_window", model.config.sliding_window)
+        for layer in model.model.layers
+    ]
+    assert 16 in windows and (arch == "mistral" or None in windows), windows
+    ref_logits, ref_grads = per_document_reference(model, docs)
+    logits, grads = packed_run(model, docs, **{k: v for k, v in packed_batch(docs).items() if k != "labels"})
+    assert_logits_close(logits, ref_logits)
+    assert_grads_close(grads, ref_grads)
+    # the window changes the numbers: the same weights with a window longer than every document (full
+    # causal attention) give other logits
+    full = tiny_model(arch, **{**WINDOWED[arch], "sliding_window": 4096})
+    full_logits, _ = per_document_reference(full, docs)
+    assert (full_logits - ref_logits).abs().max() > 0.1
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -401,7 +434,7 @@ def _module(training=False, is_causal=True):
         ({}, {"s_aux": torch.zeros(4)}, UnsupportedFeatureError, "sinks"),
         ({"training": True}, {"dropout": 0.1}, UnsupportedFeatureError, "attention_dropout=0.0"),
         ({"is_causal": False}, {}, UnsupportedFeatureError, "only computes causal"),
-        ({}, {"sliding_window": 4}, UnsupportedFeatureError, "longer than the model's sliding window"),
+        ({}, {"sliding_window": 0}, ValueError, "sliding_window must be a positive int"),
         ({}, {"distca_layout": types.SimpleNamespace(pieces=[(0, 0, 6)], all_pieces=[[(0, 0, 6)]])},
          RuntimeError, r"hf_distca.enable_distca\(model, group=...\)"),
         ({}, {"cu_seq_lens_q": torch.tensor([0, 2, 6]), "cu_seq_lens_k": torch.tensor([0, 3, 6])},
@@ -551,7 +584,9 @@ def test_padding_mask_function_with_a_cache():
     assert distca_padding_mask(2, 1, 10, q_offset=3, attention_mask=None).tolist() == [[True] * 4] * 2
     assert distca_padding_mask(2, 4, 4, q_offset=0, attention_mask=None) is None
     window = types.SimpleNamespace(sliding_window=8)
-    with pytest.raises(UnsupportedFeatureError, match=r"document of 9 tokens .* \(sliding_window=8\)"):
+    with pytest.raises(
+        UnsupportedFeatureError, match="holds keys from position 1 on.*generate past the window"
+    ):
         distca_padding_mask(1, 1, 8, q_offset=8, kv_offset=1, config=window)
     with pytest.raises(UnsupportedFeatureError, match="holds keys from position 2 on"):
         distca_padding_mask(1, 1, 8, q_offset=9, kv_offset=2, config=types.SimpleNamespace())
@@ -631,7 +666,7 @@ def test_generate_sliding_window_exact_inside_the_window_refused_beyond():
     for step_got, step_want in zip(got.logits, want.logits):
         assert_logits_close(step_got, step_want)
     model.set_attn_implementation("distca")
-    with pytest.raises(UnsupportedFeatureError, match=r"\(sliding_window=16\)"), torch.no_grad():
+    with pytest.raises(UnsupportedFeatureError, match="sliding-window cache"), torch.no_grad():
         model.generate(**inputs, max_new_tokens=10, do_sample=False)
 
 
@@ -663,14 +698,18 @@ def test_enable_distca_warns_when_model_does_not_use_distca():
         enable_distca(model)
 
 
-def test_distributed_path_refuses_documents_longer_than_the_window():
-    module = _module()
-    enable_distca(module)
-    q, k, v = _qkv(seq=6)
-    # document 0 is 10 tokens long in total (4 of them held by another rank): longer than the window
-    layout = types.SimpleNamespace(pieces=[(0, 4, 6)], all_pieces=[[(0, 4, 6)], [(0, 0, 4)]])
-    with pytest.raises(UnsupportedFeatureError, match=r"document of 10 tokens .* \(sliding_window=8\)"):
-        distca_attention_forward(module, q, k, v, None, sliding_window=8, distca_layout=layout)
+def test_distributed_path_single_process_with_windows():
+    """One process, a layout cutting a Gemma 3 document into pieces: local and global layers exact."""
+    docs = random_docs([70, 9, 41], seed=29)
+    model = tiny_model("gemma3")
+    ref_logits, ref_grads = per_document_reference(model, docs)
+    model.set_attn_implementation("distca")
+    enable_distca(model, config=DistCAConfig(shard_tokens=8))
+    pieces = [[(0, 0, 20), (1, 0, 9), (0, 20, 50), (2, 0, 41)]]
+    ids, pos = _rank_inputs(docs, pieces[0])
+    rows = _global_rows(docs, pieces[0])
+    logits = model(input_ids=ids, position_ids=pos, distca_layout=_layout(pieces, 0), use_cache=False).logits
+    assert_logits_close(logits[0].detach(), ref_logits[0, rows])
 
 
 def test_layout_without_runtime_raises_in_model():
@@ -757,3 +796,50 @@ def test_package_exports():
     assert hf_distca.enable_distca is enable_distca
     assert {"distca_attention_forward", "enable_distca"} <= set(hf_distca.__all__)
     assert math.isfinite(DistCAConfig().tolerance)
+
+
+def _windowed_worker(rank: int, world: int, cases):
+    import torch.distributed as dist
+
+    out = []
+    for arch, docs, pieces_per_rank in cases:
+        model = tiny_model(arch, **WINDOWED[arch])
+        enable_distca(model, group=dist.group.WORLD, config=DistCAConfig(shard_tokens=8, tolerance=0.0))
+        pieces = pieces_per_rank[rank]
+        ids, pos = _rank_inputs(docs, pieces)
+        logits = model(
+            input_ids=ids, position_ids=pos, distca_layout=_layout(pieces_per_rank, rank), use_cache=False
+        ).logits  # (1, T_rank, V)
+        weights = torch.randn(sum(map(len, docs)), 128, generator=torch.Generator().manual_seed(43))  # (T, V)
+        (logits[0] * weights[_global_rows(docs, pieces)]).sum().backward()
+        grads = grads_of(model)
+        for g in grads.values():
+            dist.all_reduce(g)
+        out.append({"logits": logits.detach(), "grads": grads})
+    return out
+
+
+def test_windowed_models_cut_over_three_processes():
+    """Mistral (every layer window 16) and Gemma 3 (5 local layers of window 16, 1 global) on 3 gloo ranks:
+    documents of 50-70 tokens cut over all ranks, shards whose windows reach into other ranks' pieces.
+    Every rank's logits and the summed parameter gradients equal SDPA run per document."""
+    docs = random_docs([70, 9, 55, 3], seed=47)
+    pieces_per_rank = [
+        [(0, 0, 30), (2, 40, 15)],  # rank 0: head of doc 0, tail of doc 2
+        [(0, 30, 25), (1, 0, 9), (3, 0, 3)],
+        [(0, 55, 15), (2, 0, 40)],  # tail of doc 0 (its window reaches into rank 1's piece)
+    ]
+    cases = [(arch, docs, pieces_per_rank) for arch in ("mistral", "gemma3")]
+    results = run_distributed(_windowed_worker, 3, cases, timeout=300.0)
+    for i, (arch, _, _) in enumerate(cases):
+        model = tiny_model(arch, attn="sdpa", **WINDOWED[arch])
+        ref = torch.cat(
+            [model(input_ids=torch.tensor([d]), use_cache=False).logits[0] for d in docs]
+        )  # (T, V)
+        weights = torch.randn(ref.shape, generator=torch.Generator().manual_seed(43))
+        (ref * weights).sum().backward()
+        ref_grads = grads_of(model)
+        for rank in range(3):
+            rows = _global_rows(docs, pieces_per_rank[rank])
+            assert_logits_close(results[rank][i]["logits"][0], ref[rows].detach())
+            assert_grads_close(results[rank][i]["grads"], ref_grads)

@@ -53,7 +53,10 @@ def _attention_case(rank: int, case: dict) -> dict:
 
     for _ in range(case.get("repeat", 1)):  # "layers": the plan is made once and reused
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = core_attention(q, k, v, layout.pieces[rank], config=case["config"], all_pieces=all_pieces)
+            out = core_attention(
+                q, k, v, layout.pieces[rank], config=case["config"], all_pieces=all_pieces,
+                window=case.get("window"),
+            )  # fmt: skip
     forward = metrics.snapshot()
     lse_shape = tuple(out.grad_fn.lse.shape)  # the operator's context: the server's log-sum-exp
     (out * w_all[rows]).sum().backward()
@@ -165,6 +168,20 @@ def _attention_cases(world: int) -> list[dict]:
         {"kind": "attention", "name": "local_only", "layout": local, "heads": "mha", "dtype": "fp32", "seed": 9,
          "config": DistCAConfig(shard_tokens=8)}
     )  # fmt: skip
+    # sliding-window layers: documents far longer than the window cut over ranks; shards whose window
+    # starts inside another rank's piece; window 1 (each query sees only itself); ping-pong nano-batches
+    spans = next(c["layout"] for c in cases if c["layout"].name == "spans")
+    for name, layout, window, dtype, config in (
+        ("window_giant", giant, 16, "fp64", DistCAConfig(shard_tokens=8, tolerance=0.3, backend="reference")),
+        ("window_spans", spans, 7, "fp32", DistCAConfig(shard_tokens=8, backend="reference")),
+        ("window_one", giant, 1, "fp64", DistCAConfig(shard_tokens=8, tolerance=0.3)),
+        ("window_ping_pong", giant, 24, "fp64", DistCAConfig(shard_tokens=8, tolerance=0.3, ping_pong=True)),
+        ("window_priced", giant, 32, "fp64", PRICED),
+    ):
+        cases.append(
+            {"kind": "attention", "name": name, "layout": layout, "heads": "gqa", "dtype": dtype, "seed": 12,
+             "window": window, "config": config}
+        )  # fmt: skip
     return cases
 
 
@@ -185,18 +202,20 @@ def _error_cases(world: int) -> list[dict]:
 
 # ------------------------------------------------------------------------------------ parent checks
 def _exact_replay(layout: Layout, plan, q_all, k_all, v_all) -> torch.Tensor:
-    """Every CA-task of the plan through the reference kernel, one task at a time, in this process."""
+    """Every CA-task of the plan through the reference kernel, one task at a time, in this process (a
+    task of a window-W layer over keys [max(0, q_start - W + 1), q_end))."""
     out = torch.full_like(q_all, float("nan"))
     offsets = layout.offsets()
     for tasks in plan.tasks:
         for t in tasks:
             base = offsets[t.doc_id]
+            first = 0 if plan.window is None else max(0, t.q_start - plan.window + 1)
             qs = q_all[base + t.q_start : base + t.q_end]
-            ks, vs = k_all[base : base + t.q_end], v_all[base : base + t.q_end]
+            ks, vs = k_all[base + first : base + t.q_end], v_all[base + first : base + t.q_end]
             cu_q = torch.tensor([0, t.q_len], dtype=torch.int32)
-            cu_k = torch.tensor([0, t.q_end], dtype=torch.int32)
+            cu_k = torch.tensor([0, t.q_end - first], dtype=torch.int32)
             out[base + t.q_start : base + t.q_end] = reference_varlen_attention(
-                qs, ks, vs, cu_q, cu_k, t.q_len, t.q_end, scale=D**-0.5
+                qs, ks, vs, cu_q, cu_k, t.q_len, t.q_end - first, scale=D**-0.5, window=plan.window
             )
     return out
 
@@ -230,11 +249,15 @@ def _check_attention_case(case: dict, per_rank: list[dict], world: int) -> dict:
     dtype = DTYPES[case["dtype"]]
     label = f"{case.get('name', layout.name)}/{case['heads']}/{case['dtype']}/world={world}"
     q_all, k_all, v_all, w_all = random_qkv(layout.total, hq, hkv, D, dtype, case["seed"])
-    ref = oracle_with_grads(q_all, k_all, v_all, w_all, layout.doc_lens)
+    window = case.get("window")
+    ref = oracle_with_grads(q_all, k_all, v_all, w_all, layout.doc_lens, window=window)
+    if window is not None:  # the window cuts these documents: the case is not plain causal attention
+        causal = oracle_with_grads(q_all, k_all, v_all, w_all, layout.doc_lens)
+        assert (causal[0] - ref[0]).abs().max() > 0.1, label
     elem = q_all.element_size()
     plan = plan_core_attention(
         layout.pieces, q_row_bytes=hq * D * elem, kv_row_bytes=2 * hkv * D * elem, config=case["config"],
-        flops_per_pair=attention_flops_per_pair(hq, D),
+        flops_per_pair=attention_flops_per_pair(hq, D), window=window,
     )  # fmt: skip
     exact = _exact_replay(layout, plan, q_all, k_all, v_all)
     repeat = case.get("repeat", 1)
@@ -247,6 +270,8 @@ def _check_attention_case(case: dict, per_rank: list[dict], world: int) -> dict:
         ):
             assert got.dtype == dtype and got.shape[0] == len(rows)
             assert_close(got, want[rows], case["dtype"], f"{label} rank {rank} {name}")
+        if case["config"].ping_pong:  # nano-batches cut the plan's tasks: oracle only, same plan
+            continue
         assert_close(res["out"], exact[rows], "exact", f"{label} rank {rank} out vs replay")
         # metrics: per-server FLOPs of the plan; one forward kernel per call on a server with tasks; bytes
         # as counted by comm.py, per exchange (forward = the planner's own traffic estimate)
@@ -330,6 +355,9 @@ def test_engine_distributed_and_remat(world):
     assert by_name["idle_server"][0]["moves"] == 0 and (by_name["idle_server"][0]["bytes"] > 0) == (world > 2)
     assert by_name["local_only"][0]["moves"] == 0 and by_name["local_only"][0]["bytes"] == 0
     assert by_name["priced"][0]["moves"] > 0
+    assert all(
+        by_name[n][0]["moves"] > 0 and by_name[n][0]["bytes"] > 0 for n in ("window_giant", "window_one")
+    )
     if world == 4:  # the priced plan the engine ran is not the balance-only one
         giant = next(c["layout"] for c in attention if c.get("name") == "priced")
         hq, hkv = HEADS["gqa"]

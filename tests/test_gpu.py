@@ -56,10 +56,10 @@ def _inputs(q_lens, k_lens, seed=0):
     return q, k, v, dout
 
 
-def _reference(q, k, v, dout, args):
+def _reference(q, k, v, dout, args, window=None):
     """float32 math on the same bf16 values, gradients by autograd; nothing rounded to bf16."""
     qq, kk, vv = (t.detach().float().requires_grad_(True) for t in (q, k, v))
-    out, lse = reference_varlen_attention(qq, kk, vv, *args, return_lse=True)
+    out, lse = reference_varlen_attention(qq, kk, vv, *args, return_lse=True, window=window)
     out.backward(dout.float())
     return out.detach(), lse, qq.grad, kk.grad, vv.grad
 
@@ -114,6 +114,29 @@ def test_cuda_backend_forward_backward_match_reference(variant, case, monkeypatc
     _assert_close_to_reference(
         (out, lse, *grads), _reference(q, k, v, dout, args), _kv_only_rows(q_lens, k_lens)
     )
+
+
+# sliding windows: CA-tasks of a window-1024 layer (queries [a, b) over keys [max(0, a - 1023), b)): shards
+# starting at 0, inside the window and past it, whole documents longer than the window, a KV-only sequence
+WINDOW_SHAPES = {
+    "tasks_1024": ([1000, 512, 2048, 1, 0], [1000, 1535, 3071, 2, 700], 1024),
+    "docs_256": ([4096, 129, 1], [4096, 129, 1], 256),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WINDOW_SHAPES))
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_cuda_backend_sliding_window_matches_reference(variant, case, monkeypatch):
+    backend = _select(variant, monkeypatch)
+    q_lens, k_lens, window = WINDOW_SHAPES[case]
+    q, k, v, dout = _inputs(q_lens, k_lens, seed=2)
+    args = (_cu(q_lens), _cu(k_lens), max(q_lens), max(k_lens))
+    out, lse = attention_forward(q, k, v, *args, backend=backend, window=window)
+    grads = attention_backward(dout, q, k, v, out, lse, *args, backend=backend, window=window)
+    want = _reference(q, k, v, dout, args, window)
+    _assert_close_to_reference((out, lse, *grads), want, _kv_only_rows(q_lens, k_lens))
+    causal = _reference(q, k, v, dout, args)
+    assert (causal[0] - want[0]).abs().max() > 0.05  # the window cuts: the case tests something
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from oracle import visible
 from tolerances import TOL
 
 from hf_distca.config import KERNEL_BACKENDS
@@ -38,8 +39,10 @@ def naive_attention(
     q_lens: list[int],
     k_lens: list[int],
     scale: float,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Oracle: per sequence, bottom-right causal mask[i, j] = j <= i + (lk - lq); float64; returns (out, lse)."""
+    """Oracle: per sequence, bottom-right causal mask[i, j] = j <= i + (lk - lq) (and, with a sliding
+    window, i + (lk - lq) - j < window: oracle.visible); float64; returns (out, lse)."""
     groups = q.shape[1] // k.shape[1]
     outs, lses = [q[:0].double()], [q[:0, :, 0].double()]
     q0 = k0 = 0
@@ -50,6 +53,8 @@ def naive_attention(
         mask = torch.zeros(lq, lk, dtype=torch.bool)
         for i in range(lq):
             mask[i, : i + (lk - lq) + 1] = True
+        if window is not None:
+            mask = visible(lq, lk, window)
         scores = torch.einsum("ihd,jhd->hij", qs, ks) * scale  # (Hq, lq, lk)
         scores = scores.masked_fill(~mask, float("-inf"))
         outs.append(torch.einsum("hij,jhd->ihd", torch.softmax(scores, dim=-1), vs))  # (lq, Hq, D)
@@ -59,10 +64,10 @@ def naive_attention(
     return torch.cat(outs), torch.cat(lses)
 
 
-def naive_grads(q, k, v, dout, q_lens, k_lens, scale):
+def naive_grads(q, k, v, dout, q_lens, k_lens, scale, window=None):
     """dq, dk, dv of sum(naive_attention(q, k, v) * dout), float64."""
     qq, kk, vv = (t.detach().double().requires_grad_(True) for t in (q, k, v))
-    out, _ = naive_attention(qq, kk, vv, q_lens, k_lens, scale)
+    out, _ = naive_attention(qq, kk, vv, q_lens, k_lens, scale, window)
     (out * dout.double()).sum().backward()
     return qq.grad, kk.grad, vv.grad
 
@@ -141,6 +146,71 @@ def test_backward_matches_autograd_of_reference(case, backend):
     rtol, atol = TOL["kernel_fp64"]
     for name, g, w in zip(("dq", "dk", "dv"), got, (qq.grad, kk.grad, vv.grad)):
         torch.testing.assert_close(g, w, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+# (q_lens, k_lens, window): sliding-window layers. "tasks": CA-tasks of a window-8 layer, queries [a, b)
+# over keys [max(0, a - 7), b): shards starting at 0, inside the window (3 -> 9: 3 earlier keys) and past
+# it (20 -> 30: 7 earlier keys), a 1-query shard, a 0-query sequence; "docs": whole documents longer than
+# the window; "one": window 1 (each query sees only itself)
+WINDOW_SHAPES = {
+    "tasks": ([5, 6, 10, 1, 0], [5, 9, 17, 2, 4], 8),
+    "docs": ([30, 1, 12], [30, 1, 12], 5),
+    "one": ([7, 3], [7, 5], 1),
+    "mixed": ([16, 2, 9, 1], [16, 30, 9, 4], 3),
+}
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("case", sorted(WINDOW_SHAPES))
+def test_sliding_window_matches_naive_oracle(case, dtype, backend):
+    q_lens, k_lens, window = WINDOW_SHAPES[case]
+    q, k, v, dout = _inputs(q_lens, k_lens, 8, 2, 16, dtype, seed=3 + len(case))
+    args = (_cu(q_lens), _cu(k_lens), max(q_lens), max(k_lens))
+    out, lse = attention_forward(q, k, v, *args, scale=SCALE, backend=backend, window=window)
+    want_out, want_lse = naive_attention(q, k, v, q_lens, k_lens, SCALE, window)
+    rtol, atol = _tol(dtype)
+    torch.testing.assert_close(out.double(), want_out, rtol=rtol, atol=atol)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=rtol, atol=atol)
+    full, _ = naive_attention(q, k, v, q_lens, k_lens, SCALE)
+    assert (full - want_out).abs().max() > 0.1, "the window cuts nothing here: the case tests nothing"
+    grads = attention_backward(dout, q, k, v, out, lse, *args, scale=SCALE, backend=backend, window=window)
+    want = naive_grads(q, k, v, dout, q_lens, k_lens, SCALE, window)
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, want):
+        torch.testing.assert_close(got.double(), ref, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+    qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+    varlen_attention(qq, kk, vv, *args, scale=SCALE, backend=backend, window=window).backward(dout)
+    for name, got, ref in zip(("dq", "dk", "dv"), (qq.grad, kk.grad, vv.grad), want):
+        torch.testing.assert_close(got.double(), ref, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_window_semantics_match_transformers():
+    """The kernels' window is Transformers' sliding_window_causal_mask_function: 0 <= i - j < window."""
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    fn = sliding_window_causal_mask_function(4)
+    t = torch.tensor
+    hf = torch.tensor([[bool(fn(t(0), t(0), t(i), t(j))) for j in range(9)] for i in range(9)])
+    assert torch.equal(hf, visible(9, 9, 4)) and hf.sum(1).tolist() == [1, 2, 3, 4, 4, 4, 4, 4, 4]
+    # closed form: q = 0 makes attention uniform over the visible keys, whatever they are
+    _, k, v, _ = _inputs([3], [6], 1, 1, 4, torch.float64, seed=1)
+    q = torch.zeros(3, 1, 4, dtype=torch.float64)
+    out, lse = attention_forward(q, k, v, _cu([3]), _cu([6]), 3, 6, scale=1.0, window=2)
+    expected = torch.stack([v[2:4, 0].mean(0), v[3:5, 0].mean(0), v[4:6, 0].mean(0)])  # positions 3, 4, 5
+    rtol, atol = TOL["closed_form"]
+    torch.testing.assert_close(out[:, 0], expected, rtol=rtol, atol=atol)
+    torch.testing.assert_close(lse[:, 0], torch.log(torch.full((3,), 2.0, dtype=torch.float64)))
+
+
+def test_window_covering_every_sequence_is_causal():
+    q_lens, k_lens = SHAPES["mixed"]
+    q, k, v, dout = _inputs(q_lens, k_lens, 4, 2, 8, torch.float64, seed=9)
+    args = (_cu(q_lens), _cu(k_lens), max(q_lens), max(k_lens))
+    causal = attention_forward(q, k, v, *args)
+    wide = attention_forward(q, k, v, *args, window=max(k_lens))
+    assert torch.equal(causal[0], wide[0]) and torch.equal(causal[1], wide[1])
+    with pytest.raises(ValueError, match="window must be a positive int"):
+        attention_forward(q, k, v, *args, window=0)
 
 
 def test_kv_only_sequences_get_zero_gradients():
@@ -315,12 +385,16 @@ def _emulated_scores(call, j, q, k, scale):
     scores = torch.einsum("ihd,jhd->hij", qs, ks) * scale
     i = torch.arange(lq).unsqueeze(1)
     c = torch.arange(lk).unsqueeze(0)
-    visible = {
+    shift = lk - lq if call.mask == cudnn_frontend.BOTTOM_RIGHT else 0
+    seen = {
         cudnn_frontend.TOP_LEFT: c <= i,
-        cudnn_frontend.BOTTOM_RIGHT: c <= i + (lk - lq),
+        cudnn_frontend.BOTTOM_RIGHT: c <= i + shift,
         cudnn_frontend.FULL: c >= 0,
     }[call.mask]
-    return scores.masked_fill(~visible, float("-inf"))
+    if call.window is not None:  # diagonal_band_left_bound = window
+        assert call.mask != cudnn_frontend.FULL, call
+        seen = seen & (c > i + shift - call.window)
+    return scores.masked_fill(~seen, float("-inf"))
 
 
 def _emulated_forward(call, q, k, v, out, lse, scale):
@@ -358,22 +432,29 @@ def _emulated_backward(call, dout, q, k, v, out, lse, dq, dk, dv, scale):
         dv[krows] = dv_full.view(lk, hkv, groups, -1).sum(2).to(dv.dtype)
 
 
+CUDNN_CASES = {
+    **{c: (*SHAPES[c], None) for c in SHAPES},
+    **{f"window_{c}": WINDOW_SHAPES[c] for c in WINDOW_SHAPES},
+}
+
+
 @pytest.mark.parametrize("strategy", cudnn_frontend.SUFFIX_STRATEGIES)
-@pytest.mark.parametrize("case", sorted(SHAPES))
+@pytest.mark.parametrize("case", sorted(CUDNN_CASES))
 def test_cudnn_host_logic_with_emulated_launches(case, strategy, monkeypatch):
     monkeypatch.setattr(cudnn_frontend, "launch_forward", _emulated_forward)
     monkeypatch.setattr(cudnn_frontend, "launch_backward", _emulated_backward)
     monkeypatch.setattr(cudnn_frontend, "suffix_strategy", strategy)
-    q_lens, k_lens = SHAPES[case]
+    q_lens, k_lens, window = CUDNN_CASES[case]
     q, k, v, dout = _inputs(q_lens, k_lens, 8, 2, 16, torch.float32, seed=13)
-    seqs = check_inputs(q, k, v, _cu(q_lens), _cu(k_lens), max(q_lens), max(k_lens))
+    seqs = check_inputs(q, k, v, _cu(q_lens), _cu(k_lens), max(q_lens), max(k_lens), window)
     out, lse = cudnn_frontend.forward(q, k, v, seqs, SCALE)
-    want_out, want_lse = naive_attention(q, k, v, q_lens, k_lens, SCALE)
+    want_out, want_lse = naive_attention(q, k, v, q_lens, k_lens, SCALE, window)
     rtol, atol = TOL["fp32"]
     torch.testing.assert_close(out.double(), want_out, rtol=rtol, atol=atol)
     torch.testing.assert_close(lse.double(), want_lse, rtol=rtol, atol=atol)
     grads = cudnn_frontend.backward(dout, q, k, v, out, lse, seqs, SCALE)
-    for name, got, ref in zip(("dq", "dk", "dv"), grads, naive_grads(q, k, v, dout, q_lens, k_lens, SCALE)):
+    want = naive_grads(q, k, v, dout, q_lens, k_lens, SCALE, window)
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, want):
         torch.testing.assert_close(got.double(), ref, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
 
 

@@ -73,13 +73,35 @@ def owner_map(layout: Layout) -> dict[int, np.ndarray]:
     return owner
 
 
+def key_mask(length: int, intervals, window: int | None) -> np.ndarray:
+    """(length,) bool: the keys that queries in ``intervals`` ([a, b) of one document) read: i - W < j <= i."""
+    mask = np.zeros(length, dtype=bool)
+    for a, b in intervals:
+        mask[0 if window is None else max(0, a - window + 1) : b] = True
+    return mask
+
+
 def check_plan(plan, layout: Layout, config: DistCAConfig, cost=None) -> None:
     """Every invariant of a plan that does not depend on which greedy choices were made."""
-    cost = cost or CausalPairsCost()
+    window = plan.window
+    cost = cost or CausalPairsCost(window)
     world = layout.world
     lens = dict(zip(layout.doc_ids, layout.doc_lens))
     owner = owner_map(layout)
     assert plan.world_size == world
+    # the keys every server reads: exactly the windows of its tasks' queries, as sorted disjoint ranges
+    need = {}
+    for s, tasks in enumerate(plan.tasks):
+        for d in {t.doc_id for t in tasks}:
+            need[s, d] = key_mask(lens[d], [(t.q_start, t.q_end) for t in tasks if t.doc_id == d], window)
+            ranges = plan.kv_ranges[s][d]
+            got = np.zeros(lens[d], dtype=bool)
+            for lo, hi in ranges:
+                assert not got[lo:hi].any() and lo < hi, f"server {s} doc {d}: ranges overlap {ranges}"
+                got[lo:hi] = True
+            assert ranges == sorted(ranges) and (got == need[s, d]).all(), (s, d, ranges)
+            assert all(a[1] < b[0] for a, b in zip(ranges, ranges[1:])), f"touching ranges {ranges}"
+        assert set(plan.kv_ranges[s]) == {t.doc_id for t in tasks}
 
     # 1. every causal (q, k) pair computed exactly once: the query ranges of all servers' tasks
     #    partition every document, and each task attends to the KV prefix [0, q_end) (checked through
@@ -97,8 +119,12 @@ def check_plan(plan, layout: Layout, config: DistCAConfig, cost=None) -> None:
         rs.sort()
         assert rs[0][0] == 0 and rs[-1][1] == lens[d], f"doc {d} not covered: {rs}"
         assert all(a[1] == b[0] for a, b in zip(rs, rs[1:])), f"doc {d}: gap or overlap in {rs}"
-    pairs = sum(causal_pairs(0, n) for n in lens.values())
-    assert sum(causal_pairs(t.q_start, t.q_end) for ts in plan.tasks for t in ts) == pairs
+    w = np.inf if window is None else window
+    pairs = sum(int(np.minimum(np.arange(1, n + 1), w).sum()) for n in lens.values())  # min(i + 1, W)
+    assert sum(plan.pairs_after) == sum(plan.pairs_before) == pairs
+    assert plan.pairs_after == [
+        sum(int(np.minimum(np.arange(t.q_start + 1, t.q_end + 1), w).sum()) for t in ts) for ts in plan.tasks
+    ]
 
     # 2. loads: before = each rank's own pieces, after = its tasks; the cost is conserved
     before = [sum(cost.task_cost(s, s + n) for _, s, n in pieces) for pieces in layout.pieces]
@@ -140,8 +166,8 @@ def check_plan(plan, layout: Layout, config: DistCAConfig, cost=None) -> None:
                     recv[s] += n * Q_ROW
                     sent[s] += n * Q_ROW  # output back
                     recv[h] += n * Q_ROW
-        for d, prefix in plan.kv_prefix[s].items():
-            held = owner[d][:prefix]
+        for d in plan.kv_ranges[s]:
+            held = owner[d][need[s, d]]
             for h in range(world):
                 if h != s:
                     sent[h] += int((held == h).sum()) * KV_ROW
@@ -156,9 +182,12 @@ def check_plan(plan, layout: Layout, config: DistCAConfig, cost=None) -> None:
             moved_in = 0
             for t in plan.tasks[s]:
                 moved_in += int((owner[t.doc_id][t.q_start : t.q_end] != s).sum()) * Q_ROW
-            for d, prefix in plan.kv_prefix[s].items():
-                own_need = max((p + n for dd, p, n in layout.pieces[s] if dd == d and n), default=0)
-                moved_in += int((owner[d][own_need:prefix] != s).sum()) * KV_ROW
+            for d in plan.kv_ranges[s]:
+                own = [(p, p + n) for dd, p, n in layout.pieces[s] if dd == d and n]
+                if window is None:  # its own pieces read the prefix up to their end
+                    own = [(0, max((b for _, b in own), default=0))]
+                extra = need[s, d] & ~key_mask(lens[d], own, window)
+                moved_in += int((owner[d][extra] != s).sum()) * KV_ROW
             assert moved_in <= config.max_recv_bytes_per_server, (s, moved_in)
 
 
@@ -196,7 +225,8 @@ def simulate(plan, layout: Layout) -> None:
         for i, t in enumerate(tasks):
             base = offsets[t.doc_id]
             want_q = np.arange(base + t.q_start, base + t.q_end)
-            want_kv = np.arange(base, base + t.q_end)  # the KV prefix [0, q_end), in position order
+            first = 0 if plan.window is None else max(0, t.q_start - plan.window + 1)
+            want_kv = np.arange(base + first, base + t.q_end)  # keys [first, q_end), in position order
             np.testing.assert_array_equal(q_k[lay.cu_seqlens_q[i] : lay.cu_seqlens_q[i + 1]], want_q)
             np.testing.assert_array_equal(kv_k[lay.cu_seqlens_k[i] : lay.cu_seqlens_k[i + 1]], want_kv)
         lens_q = np.diff(lay.cu_seqlens_q)
@@ -216,6 +246,37 @@ def simulate(plan, layout: Layout) -> None:
 @given(layout=layouts(), config=configs)
 def test_plan_invariants_and_simulated_dispatch(layout, config):
     plan = _plan(layout.pieces, config)
+    check_plan(plan, layout, config)
+    simulate(plan, layout)
+
+
+@SETTINGS
+@given(layout=layouts(), config=configs, window=st.sampled_from([1, 2, 7, 16, 50, 1000]))
+def test_windowed_plan_invariants_and_simulated_dispatch(layout, config, window):
+    """Sliding-window layers: tasks read only their windows' keys, pairs are min(i + 1, W) per query."""
+    plan = plan_core_attention(
+        layout.pieces, q_row_bytes=Q_ROW, kv_row_bytes=KV_ROW, config=config, window=window
+    )
+    assert plan.window == window
+    check_plan(plan, layout, config)
+    simulate(plan, layout)
+
+
+@SETTINGS
+@given(
+    layout=layouts(max_world=5, max_docs=8, max_len=200),
+    window=st.sampled_from([None, 3, 40]),
+    config=st.builds(
+        DistCAConfig,
+        tolerance=st.sampled_from([0.0, 0.1]),
+        shard_tokens=st.sampled_from([4, 16]),
+        max_recv_bytes_per_server=st.integers(1, 20_000),
+    ),
+)
+def test_windowed_receive_bound_respected(layout, window, config):
+    plan = plan_core_attention(
+        layout.pieces, q_row_bytes=Q_ROW, kv_row_bytes=KV_ROW, config=config, window=window
+    )
     check_plan(plan, layout, config)
     simulate(plan, layout)
 
@@ -575,3 +636,58 @@ def test_planning_time_1000_docs_64_servers():
     assert statistics.median(times) < limit, times
     assert plan.imbalance_before > 2.0 and plan.imbalance_after <= 1.1 * (1 + TOL["balance"][0])
     assert plan.moves > 0
+
+
+def test_window_prices_and_balances_windowed_pairs_and_sends_only_the_window():
+    """One 8192-token document of a window-1024 layer on rank 0, short documents elsewhere: the plan
+    balances windowed pairs (not causal ones) and every shard moved off rank 0 reads only its window."""
+    window, lens = 1024, [8192, 512, 512, 512]
+    pieces = [[(0, 0, 8192)], [(1, 0, 512)], [(2, 0, 512)], [(3, 0, 512)]]
+    config = DistCAConfig(shard_tokens=128, tolerance=0.1)
+    plan = plan_core_attention(pieces, q_row_bytes=Q_ROW, kv_row_bytes=KV_ROW, config=config, window=window)
+    assert plan.pairs_before == [1024 * 1025 // 2 + 1024 * (8192 - 1024)] + [512 * 513 // 2] * 3
+    assert plan.load_before == [float(p) for p in plan.pairs_before]
+    assert plan.moves > 0 and plan.imbalance_after <= 1.1 * (1 + TOL["balance"][0])
+    moved = [(s, t) for s in range(1, 4) for t in plan.tasks[s] if t.doc_id == 0]
+    assert moved
+    for s in range(1, 4):
+        tasks = [t for t in plan.tasks[s] if t.doc_id == 0]
+        read = sum(hi - lo for lo, hi in plan.kv_ranges[s].get(0, []))
+        assert read <= sum(t.q_len + window - 1 for t in tasks), (s, tasks, plan.kv_ranges[s])
+        for t in tasks:  # each task's window lies inside one of the server's key ranges
+            first = max(0, t.q_start - window + 1)
+            assert any(lo <= first and t.q_end <= hi for lo, hi in plan.kv_ranges[s][0])
+    assert any(t.q_start >= window for _, t in moved)  # a shard whose window starts after position 0
+    check_plan(plan, Layout("window", [0, 1, 2, 3], lens, pieces), config)
+    simulate(plan, Layout("window", [0, 1, 2, 3], lens, pieces))
+    # the same documents planned as full causal attention: other loads, more KV sent
+    causal = plan_core_attention(pieces, q_row_bytes=Q_ROW, kv_row_bytes=KV_ROW, config=config)
+    assert causal.pairs_before[0] == causal_pairs(0, 8192) > plan.pairs_before[0]
+    per_kv_row = sum(plan.bytes_sent) / max(1, sum(t.q_len for _, t in moved))
+    per_kv_row_causal = sum(causal.bytes_sent) / sum(
+        t.q_len for s in range(1, 4) for t in causal.tasks[s] if t.doc_id == 0
+    )
+    assert per_kv_row < 0.6 * per_kv_row_causal  # bytes per moved query row: the window, not the prefix
+    assert plan.digest() != causal.digest() or plan.window != causal.window
+
+
+def test_windowed_cost_models():
+    pairs = CausalPairsCost(4)
+    assert [pairs.task_cost(a, a + 1) for a in range(6)] == [1, 2, 3, 4, 4, 4]
+    assert pairs.task_cost(2, 9) == 3 + 4 * 6 and CausalPairsCost().task_cost(2, 9) == causal_pairs(2, 9)
+    assert pairs == CausalPairsCost(4) != CausalPairsCost() and "window=4" in repr(pairs)
+    assert cost_model_from_config(DistCAConfig(), 4) == pairs
+    with pytest.raises(ValueError, match="positive int"):
+        CausalPairsCost(0)
+    # a measured table prices a windowed task at the rate of its shape (q_len, keys read), times its pairs
+    lens = [128, 1024, 8192]
+    per_pair = 1e-9
+    table = MeasuredCost(
+        lens,
+        lens,
+        [[causal_pairs(kv - q, kv) * per_pair if q <= kv else float("nan") for kv in lens] for q in lens],
+    )
+    windowed = table.with_window(1024)
+    assert windowed.window == 1024 and table.window is None and "window=1024" in repr(windowed)
+    assert windowed.task_cost(4096, 5120) == pytest.approx(1024 * 1024 * per_pair, rel=1e-9)
+    assert table.task_cost(4096, 5120) == pytest.approx(causal_pairs(4096, 5120) * per_pair, rel=1e-9)

@@ -124,3 +124,58 @@ def test_plain_accelerate_loop_gradient_accumulation_exact(tmp_path):
     for got, want in zip(losses[2], losses[1], strict=True):
         assert abs(got - want) <= LOSS_RTOL * abs(want), (losses[2], losses[1])
     assert losses[1][-1] < losses[1][0]
+
+
+@pytest.mark.slow
+def test_recipe_windowed_models_equal_on_one_and_two_processes(tmp_path):
+    """tiny-mistral (every layer window 256) and tiny-gemma3 (2 local layers of window 256 to 1 global)
+    through the recipe: 2 processes x 1024 tokens equal 1 process x 2048 tokens, and 1 process equals
+    Transformers' SDPA on the same batches (whole documents there), loss of every step.
+    Documents reach ~2000 tokens, so they are longer than the window and cut over the ranks."""
+    runs = []
+    for world in (1, 2):
+        for model in ("tiny-mistral", "tiny-gemma3"):
+            out = tmp_path / f"{model}-w{world}"
+            argv = [
+                "--model", model, "--tokens-per-rank", str(2048 // world), "--output-dir", str(out),
+                "--max-steps", "2", "--grad-accum", "1", "--optim", "sgd", "--learning-rate", "0.5",
+                "--num-documents", "60", "--mean-doc-words", "600", "--max-doc-words", "1500",
+                "--shard-tokens", "64", "--seed", "5", "--tolerance", "0.0", "--no-save",
+            ]  # fmt: skip
+            runs.append((world, model, out, argv))
+            if world == 1:  # Transformers' own SDPA (its sliding-window masks) on the same whole documents
+                runs.append(
+                    (
+                        1,
+                        f"{model}-sdpa",
+                        out.with_name(out.name + "-sdpa"),
+                        argv[:5] + [f"{out}-sdpa", *argv[6:], "--attn", "sdpa"],
+                    )
+                )
+    for world in (1, 2):
+        spec = tmp_path / f"runs{world}.json"
+        spec.write_text(json.dumps([["finetune_long_docs.py", argv] for w, _, _, argv in runs if w == world]))
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+            os.path.join(ROOT, "tests", "run_recipes.py"), str(spec),
+        ]  # fmt: skip
+        env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, f"{world} process(es):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    records = {}
+    for world, model, out, _ in runs:
+        with open(out / "metrics.jsonl") as f:
+            records[world, model] = [json.loads(line) for line in f]
+    for model in ("tiny-mistral", "tiny-gemma3"):
+        one, two = records[1, model], records[2, model]
+        assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2]
+        for got, want in zip(two, one, strict=True):
+            assert abs(got["loss"] - want["loss"]) <= LOSS_RTOL * abs(want["loss"]), (
+                model,
+                got["loss"],
+                want["loss"],
+            )
+            assert sum(got["attn_flops_after"]) == pytest.approx(sum(got["attn_flops_before"]), rel=1e-12)
+        assert sum(sum(r["bytes_sent"]) for r in two) > 0, f"{model}: no document was cut over the ranks"
+        for got, want in zip(one, records[1, f"{model}-sdpa"], strict=True):
+            assert abs(got["loss"] - want["loss"]) <= LOSS_RTOL * abs(want["loss"]), (model, got, want)

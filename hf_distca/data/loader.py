@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from hf_distca.data.rebatch import LayoutFn, layout_balanced, layout_for_rank
 from hf_distca.data.sampler import plan_global_batches
 from hf_distca.engine.compiled import register_layout
-from hf_distca.planning.cost import causal_pairs
+from hf_distca.planning.window import attended_pairs
 
 
 @dataclass(frozen=True)
@@ -166,12 +166,15 @@ class DistCABatches(IterableDataset):
                 self.current_step = index
                 yield self.micro_batch([self.documents[i][:budget] for i in doc_indices])
 
-    def layout_load(self, index: int, layout: LayoutFn | None = None) -> list[int]:
+    def layout_load(
+        self, index: int, layout: LayoutFn | None = None, windows: Sequence[int | None] = (None,)
+    ) -> list[int]:
         """Per rank, the causal (query, key) pairs of step ``index`` of the stream with every rank
         computing its own pieces with their full context (queries [doc_start, doc_end) of a piece
         over keys [0, doc_end)), summed over the step's micro-batches: the attention load without
         balancing, exactly the planner's ``load_before``, whatever the attention mode. ``layout``
-        prices the same documents placed by another layout (default: this stream's)."""
+        prices the same documents placed by another layout (default: this stream's); ``windows``: one
+        sliding window per layer (None: full causal), summed over them (default: one full layer)."""
         budget = self.tokens_per_rank * self.world_size
         lengths = self.documents.lengths
         total = [0] * self.world_size
@@ -182,7 +185,11 @@ class DistCABatches(IterableDataset):
                 tokens_per_rank=self.tokens_per_rank,
             )
             for rank, rank_pieces in enumerate(pieces):
-                total[rank] += sum(causal_pairs(p.doc_start, p.doc_start + p.length) for p in rank_pieces)
+                total[rank] += sum(
+                    attended_pairs(p.doc_start, p.doc_start + p.length, w)
+                    for w in windows
+                    for p in rank_pieces
+                )
         return total
 
     def micro_batch(self, docs: Sequence[Sequence[int]]) -> dict:

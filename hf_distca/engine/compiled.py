@@ -35,7 +35,6 @@ from hf_distca import metrics
 from hf_distca.checkpointing import keep_for_recompute, take_saved_attention
 from hf_distca.engine.op import LocalRunner, engine_runner
 from hf_distca.engine.prepare import prepare
-from hf_distca.features import check_window
 from hf_distca.packing import cu_seqlens_from_lengths, packed_document_lengths
 
 __all__ = [
@@ -99,21 +98,18 @@ def _keep(runner: Any, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tens
 
 
 def _core_runner(q, k, v, token: torch.Tensor, runtime_key: int, scale: float | None, window: int | None):
-    """(runner, prepared) of one micro-batch, cached by layout, runtime, scale and shapes."""
+    """(runner, prepared) of one micro-batch and layer window, cached by layout, runtime, scale, window and
+    shapes (a model's local and global layers share the layout, not the plan)."""
     layout_key = int(token)
-    key = (layout_key, runtime_key, scale, tuple(q.shape), tuple(k.shape), q.dtype, str(q.device))
+    key = (layout_key, runtime_key, scale, window, tuple(q.shape), tuple(k.shape), q.dtype, str(q.device))
     hit = _runners.get(key)
     if hit is not None:
         _runners.move_to_end(key)
         return hit
     layout = _lookup(_layouts, layout_key, "layout")
     runtime = _lookup(_runtimes, runtime_key, "runtime")
-    if window is not None:
-        ends = [start + length for pieces in layout.all_pieces for _, start, length in pieces]
-        check_window(window, max(ends, default=0))
-    prepared = prepare(
-        q, k, v, layout.pieces, group=runtime.group, config=runtime.config, all_pieces=layout.all_pieces
-    )
+    prepared = prepare(q, k, v, layout.pieces, group=runtime.group, config=runtime.config,
+                       all_pieces=layout.all_pieces, window=window)  # fmt: skip
     runner = engine_runner(
         prepared, group=runtime.group, config=runtime.config, scale=scale, on_cuda=q.is_cuda
     )
@@ -198,8 +194,8 @@ def compiled_core_attention(
     """:func:`hf_distca.engine.core_attention` of the layout named by ``token`` (:func:`register_layout`)
     with the runtime named by ``runtime_key`` (:func:`register_runtime`), as one custom op.
 
-    q: (T_local, Hq, D); k, v: (T_local, Hkv, D). ``window``: the layer's sliding window (refused when
-    shorter than a document, as eagerly). Returns (T_local, Hq, D), differentiable w.r.t. q, k and v."""
+    q: (T_local, Hq, D); k, v: (T_local, Hkv, D). ``window``: the layer's sliding window (None: full
+    causal). Returns (T_local, Hq, D), differentiable w.r.t. q, k and v."""
     out, _ = _core_fwd(q, k, v, token, runtime_key, scale, window)
     return out
 
@@ -210,9 +206,8 @@ def _local_runner(q, cu_seq_lens, position_ids, batch: int, scale, backend: str,
         batch, q.shape[0] // batch, cu_seq_lens_q=cu_seq_lens, position_ids=position_ids
     )
     longest = max(lengths, default=0)
-    check_window(window, longest)
     cu = cu_seqlens_from_lengths(lengths, device=torch.device("cpu"))
-    return LocalRunner(cu, cu, longest, longest, scale, backend)
+    return LocalRunner(cu, cu, longest, longest, scale, backend, window)
 
 
 @torch.library.custom_op("hf_distca::local_attention_fwd", mutates_args=())

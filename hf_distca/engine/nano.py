@@ -51,7 +51,8 @@ import torch
 
 from hf_distca.config import PING_PONG_SPLITS
 from hf_distca.engine.prepare import PreparedAttention
-from hf_distca.planning import CATask, CorePlan, DispatchIndex, DocIndex, build_dispatch_index, causal_pairs
+from hf_distca.planning import CATask, CorePlan, DispatchIndex, DocIndex, build_dispatch_index
+from hf_distca.planning.window import Ranges, attended_pairs, kv_ranges, kv_start
 
 __all__ = ["BALANCE", "DUPLICATE_GAP", "NanoSplit", "nano_batches", "split_server_tasks"]
 
@@ -94,7 +95,7 @@ def nano_batches(prepared: PreparedAttention, shard_tokens: int, split: str = "l
     plan, rank = prepared.plan, prepared.rank
     per_server = [
         split_server_tasks(
-            tasks, server, plan.index, shard_tokens, plan.q_row_bytes, plan.kv_row_bytes, split
+            tasks, server, plan.index, shard_tokens, plan.q_row_bytes, plan.kv_row_bytes, split, plan.window
         )
         for server, tasks in enumerate(plan.tasks)
     ]
@@ -137,15 +138,22 @@ def split_server_tasks(
     q_row_bytes: int,
     kv_row_bytes: int,
     split: str = "local_first",
+    window: int | None = None,
 ) -> list[list[CATask]]:
     """One server's tasks in parts (see the module docstring): ``local_first``: [local head, remote 0,
     remote 1, local tail]; ``halves``: [first, second]. Each part in canonical order (doc_id, q_start).
-    Deterministic: every rank gets the same parts."""
-    sizes = (shard_tokens, q_row_bytes, kv_row_bytes)
+    ``window``: the plan's sliding window (which keys a task reads, what its work is). Deterministic:
+    every rank gets the same parts."""
+    sizes = (shard_tokens, q_row_bytes, kv_row_bytes, window)
     if split == "halves":
         return list(_halves(tasks, server, index, *sizes, allow_duplicate=True))
-    local = [t for t in tasks if index.count_held_by(t.doc_id, 0, t.q_end, server) == t.q_end]
-    remote = [t for t in tasks if index.count_held_by(t.doc_id, 0, t.q_end, server) != t.q_end]
+
+    def is_local(t: CATask) -> bool:
+        first = kv_start(t.q_start, window)
+        return index.count_held_by(t.doc_id, first, t.q_end, server) == t.q_end - first
+
+    local = [t for t in tasks if is_local(t)]
+    remote = [t for t in tasks if not is_local(t)]
     head, tail = _halves(local, server, index, *sizes, allow_duplicate=False)
     return [head, *_halves(remote, server, index, *sizes, allow_duplicate=False), tail]
 
@@ -157,15 +165,16 @@ def _halves(
     shard_tokens: int,
     q_row_bytes: int,
     kv_row_bytes: int,
+    window: int | None,
     *,
     allow_duplicate: bool,
 ) -> tuple[list[CATask], list[CATask]]:
-    """``tasks`` in two halves of about equal causal work, the one with fewer bytes to receive first."""
+    """``tasks`` in two halves of about equal work, the one with fewer bytes to receive first."""
     by_doc: dict[int, list[CATask]] = {}
     for t in sorted(tasks):
         if t.q_len > 0:
             by_doc.setdefault(t.doc_id, []).append(t)
-    work = {doc: sum(causal_pairs(t.q_start, t.q_end) for t in ts) for doc, ts in by_doc.items()}
+    work = {doc: sum(attended_pairs(t.q_start, t.q_end, window) for t in ts) for doc, ts in by_doc.items()}
     total = sum(work.values())
     load = [0, 0]
     docs: tuple[list[int], list[int]] = ([], [])
@@ -175,7 +184,9 @@ def _halves(
         load[j] += work[doc]
     heavy = 0 if load[0] >= load[1] else 1
     gap = load[heavy] - load[1 - heavy]
-    cut = _best_cut(by_doc, docs[heavy], work, gap, total, server, index, shard_tokens, allow_duplicate)
+    cut = _best_cut(
+        by_doc, docs[heavy], work, gap, total, server, index, shard_tokens, window, allow_duplicate
+    )
     halves: tuple[list[CATask], list[CATask]] = ([], [])
     for j, side in enumerate((heavy, 1 - heavy)):
         for doc in docs[side]:
@@ -189,7 +200,7 @@ def _halves(
                 if tail[1] > tail[0]:
                     halves[j].append(CATask(doc, *tail))
     first, second = sorted(halves[0]), sorted(halves[1])
-    inbound = [_inbound_bytes(h, server, index, q_row_bytes, kv_row_bytes) for h in (first, second)]
+    inbound = [_inbound_bytes(h, server, index, q_row_bytes, kv_row_bytes, window) for h in (first, second)]
     return (first, second) if (inbound[0], 0) <= (inbound[1], 1) else (second, first)
 
 
@@ -202,6 +213,7 @@ def _best_cut(
     server: int,
     index: DocIndex,
     shard_tokens: int,
+    window: int | None,
     allow_duplicate: bool,
 ) -> tuple[int, int] | None:
     """(doc, m): move that document's rows before m from the heavier half to the lighter one; None: keep
@@ -212,11 +224,12 @@ def _best_cut(
         return None
     free, duplicating = [], []  # (gap after, rows sent twice, doc, m)
     for doc in heavy_docs:
-        m, moved, shared_end = _head_cut(by_doc[doc], gap / 2, shard_tokens)
+        m, moved, shared_end = _head_cut(by_doc[doc], gap / 2, shard_tokens, window)
         new_gap = abs(gap - 2 * moved)
         if moved <= 0 or moved >= work[doc] or new_gap >= gap:
             continue
-        remote = shared_end - index.count_held_by(doc, 0, shared_end, server)
+        shared = kv_start(shared_end, window)  # both sides read keys [shared, shared_end)
+        remote = shared_end - shared - index.count_held_by(doc, shared, shared_end, server)
         (duplicating if remote else free).append((new_gap, remote, doc, m))
     best = min(free, default=None)
     if not allow_duplicate or not duplicating or (best[0] if best else gap) <= DUPLICATE_GAP * total:
@@ -228,28 +241,41 @@ def _best_cut(
 
 
 def _inbound_bytes(
-    tasks: list[CATask], server: int, index: DocIndex, q_row_bytes: int, kv_row_bytes: int
+    tasks: list[CATask], server: int, index: DocIndex, q_row_bytes: int, kv_row_bytes: int, window: int | None
 ) -> int:
-    """Bytes ``server`` receives in a dispatch of ``tasks``: query rows and KV-prefix rows held elsewhere."""
+    """Bytes ``server`` receives in a dispatch of ``tasks``: query rows and key rows held elsewhere."""
     q_rows = sum(t.q_len - index.count_held_by(t.doc_id, t.q_start, t.q_end, server) for t in tasks)
-    kv_rows = sum(p - index.count_held_by(doc, 0, p, server) for doc, p in _kv_prefix(tasks).items())
+    kv_rows = sum(
+        (hi - lo) - index.count_held_by(doc, lo, hi, server)
+        for doc, ranges in _kv_ranges(tasks, window).items()
+        for lo, hi in ranges
+    )
     return q_rows * q_row_bytes + kv_rows * kv_row_bytes
 
 
-def _head_cut(tasks: list[CATask], target: float, shard_tokens: int) -> tuple[int, int, int]:
+def _head_cut(
+    tasks: list[CATask], target: float, shard_tokens: int, window: int | None = None
+) -> tuple[int, int, int]:
     """A cut row m in one document's tasks (sorted by q_start) so that the rows before m cost about
-    ``target`` causal pairs; on a multiple of ``shard_tokens`` when one lies inside the task it cuts.
-    Returns (m, the rows-before-m's pairs, the end of the KV prefix both sides read)."""
+    ``target`` pairs; on a multiple of ``shard_tokens`` when one lies inside the task it cuts.
+    Returns (m, the rows-before-m's pairs, the end of the keys both sides read)."""
     done = 0
     for t in tasks:
-        pairs = causal_pairs(t.q_start, t.q_end)
+        pairs = attended_pairs(t.q_start, t.q_end, window)
         if done + pairs <= target:
             done += pairs
             continue
         need = target - done
         a = t.q_start
-        # causal_pairs(a, m) = (m (m + 1) - a (a + 1)) / 2 = need  ->  m
-        m = int(round((-1.0 + math.sqrt(1.0 + 4.0 * (2.0 * need + a * (a + 1)))) / 2.0))
+        if window is None:
+            # causal pairs (m (m + 1) - a (a + 1)) / 2 = need  ->  m
+            m = int(round((-1.0 + math.sqrt(1.0 + 4.0 * (2.0 * need + a * (a + 1)))) / 2.0))
+        else:  # the smallest m whose pairs reach need (pairs grow with m)
+            lo, hi = a, t.q_end
+            while lo < hi:
+                mid = (lo + hi) // 2
+                lo, hi = (mid + 1, hi) if attended_pairs(a, mid, window) < need else (lo, mid)
+            m = lo
         aligned = int(round(m / shard_tokens)) * shard_tokens
         if a < aligned < t.q_end:
             m = aligned
@@ -257,21 +283,21 @@ def _head_cut(tasks: list[CATask], target: float, shard_tokens: int) -> tuple[in
         if m == a:  # the cut falls on the task's start: the earlier tasks move whole
             prev_end = max((u.q_end for u in tasks if u.q_end <= a), default=0)
             return a, done, prev_end
-        return m, done + causal_pairs(a, m), m
+        return m, done + attended_pairs(a, m, window), m
     return tasks[-1].q_end, done, tasks[-1].q_end
 
 
 # ------------------------------------------------------------------------------------------ the index
 def _nano_plan(plan: CorePlan, tasks: list[list[CATask]]) -> CorePlan:
-    """The micro-batch's plan restricted to one nano-batch's tasks (KV prefixes, loads and traffic of
+    """The micro-batch's plan restricted to one nano-batch's tasks (key ranges, loads and traffic of
     those tasks)."""
-    kv_prefix = [_kv_prefix(ts) for ts in tasks]
-    pairs = [sum(causal_pairs(t.q_start, t.q_end) for t in ts) for ts in tasks]
-    sent, received = _traffic(plan.index, tasks, kv_prefix, plan.q_row_bytes, plan.kv_row_bytes)
+    kv = [_kv_ranges(ts, plan.window) for ts in tasks]
+    pairs = [sum(attended_pairs(t.q_start, t.q_end, plan.window) for t in ts) for ts in tasks]
+    sent, received = _traffic(plan.index, tasks, kv, plan.q_row_bytes, plan.kv_row_bytes)
     return dataclasses.replace(
         plan,
         tasks=tasks,
-        kv_prefix=kv_prefix,
+        kv_ranges=kv,
         load_after=[float(p) for p in pairs],
         pairs_after=pairs,
         bytes_sent=sent,
@@ -279,15 +305,16 @@ def _nano_plan(plan: CorePlan, tasks: list[list[CATask]]) -> CorePlan:
     )
 
 
-def _kv_prefix(tasks: list[CATask]) -> dict[int, int]:
-    need: dict[int, int] = {}
-    for t in tasks:
-        need[t.doc_id] = max(need.get(t.doc_id, 0), t.q_end)
-    return need
+def _kv_ranges(tasks: list[CATask], window: int | None) -> dict[int, Ranges]:
+    """doc -> the key ranges these tasks read (a part may hold cut, touching pieces of one task)."""
+    by_doc: dict[int, list[tuple[int, int]]] = {}
+    for t in sorted(tasks):
+        by_doc.setdefault(t.doc_id, []).append((t.q_start, t.q_end))
+    return {doc: kv_ranges(ivs, window) for doc, ivs in by_doc.items()}
 
 
 def _traffic(
-    index: DocIndex, tasks: list[list[CATask]], kv_prefix: list[dict[int, int]], q_row: int, kv_row: int
+    index: DocIndex, tasks: list[list[CATask]], kv: list[dict[int, Ranges]], q_row: int, kv_row: int
 ) -> tuple[list[int], list[int]]:
     """Bytes each rank sends and receives in one forward of these tasks (Q out, outputs back, KV out)."""
     world = len(tasks)
@@ -300,11 +327,12 @@ def _traffic(
                     received[server] += n * q_row
                     sent[server] += n * q_row
                     received[holder] += n * q_row
-        for doc, prefix in kv_prefix[server].items():
-            for holder, _, n in index.segments(doc, 0, prefix):
-                if holder != server:
-                    sent[holder] += n * kv_row
-                    received[server] += n * kv_row
+        for doc, ranges in kv[server].items():
+            for lo, hi in ranges:
+                for holder, _, n in index.segments(doc, lo, hi):
+                    if holder != server:
+                        sent[holder] += n * kv_row
+                        received[server] += n * kv_row
     return sent, received
 
 
@@ -316,7 +344,10 @@ def _nano_index(
     the ``parked`` tasks (the other nano-batches')."""
     world = plan.world_size
     parking_plan = dataclasses.replace(
-        plan, index=with_parking, tasks=[*tasks, parked], kv_prefix=[*(_kv_prefix(ts) for ts in tasks), {}]
+        plan,
+        index=with_parking,
+        tasks=[*tasks, parked],
+        kv_ranges=[*(_kv_ranges(ts, plan.window) for ts in tasks), {}],
     )
     full = build_dispatch_index(parking_plan, rank)
     parked_q = full.send_q_counts[world]

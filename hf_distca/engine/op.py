@@ -211,6 +211,7 @@ class LocalRunner:
     max_seqlen_k: int
     scale: float | None
     backend: str
+    window: int | None = None
 
     def _seqs(self) -> tuple:
         return self.cu_seqlens_q, self.cu_seqlens_k, self.max_seqlen_q, self.max_seqlen_k
@@ -218,7 +219,9 @@ class LocalRunner:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if q.shape[0]:
             metrics.record_forward_kernel()
-        return attention_forward(q, k, v, *self._seqs(), scale=self.scale, backend=self.backend)
+        return attention_forward(
+            q, k, v, *self._seqs(), scale=self.scale, backend=self.backend, window=self.window
+        )
 
     def backward(
         self,
@@ -230,7 +233,16 @@ class LocalRunner:
         dout: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return attention_backward(
-            dout.contiguous(), q, k, v, out, lse, *self._seqs(), scale=self.scale, backend=self.backend
+            dout.contiguous(),
+            q,
+            k,
+            v,
+            out,
+            lse,
+            *self._seqs(),
+            scale=self.scale,
+            backend=self.backend,
+            window=self.window,
         )
 
 
@@ -272,6 +284,7 @@ def core_attention(
     config: DistCAConfig | None = None,
     scale: float | None = None,
     all_pieces: Sequence[Sequence[Sequence[int]]] | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal per-document attention of this rank's queries, computed by balanced attention servers.
 
@@ -282,6 +295,8 @@ def core_attention(
     all_pieces: every rank's pieces, when the caller already has them (skips an all-gather per call);
     pass one object per micro-batch and reuse it for every layer: the ranks' inputs are checked against
     each other on the first call with each new object (see :mod:`hf_distca.engine.prepare`).
+    window: the layer's sliding window (Transformers' ``sliding_window``; None: full causal): a query
+    shard then reads and is sent only the keys of its window, and the plan balances windowed work.
     Returns (T_local, H_q, D), differentiable w.r.t. q, k and v. Inside a rematerialization-aware
     checkpoint recompute, returns the output kept from the forward (no planning, no communication).
     """
@@ -289,7 +304,7 @@ def core_attention(
     if saved is not None:
         return _replay(q, k, v, saved)
     config = config or DistCAConfig()
-    prepared = prepare(q, k, v, pieces, group=group, config=config, all_pieces=all_pieces)
+    prepared = prepare(q, k, v, pieces, group=group, config=config, all_pieces=all_pieces, window=window)
     metrics.record_call(prepared.flops_before, prepared.flops_after)
     runner = engine_runner(prepared, group=group, config=config, scale=scale, on_cuda=q.is_cuda)
     return _AttentionOp.apply(q, k, v, runner, None)
@@ -318,6 +333,7 @@ def local_attention(
     *,
     scale: float | None = None,
     backend: str = "auto",
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal (bottom-right aligned) varlen attention of this process's own sequences, differentiable,
     with the same operator as :func:`core_attention` (so rematerialization-aware checkpointing applies).
@@ -325,5 +341,7 @@ def local_attention(
     saved = take_saved_attention(q.shape[0])
     if saved is not None:
         return _replay(q, k, v, saved)
-    runner = LocalRunner(cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale, backend)
+    runner = LocalRunner(
+        cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale, backend, window
+    )
     return _AttentionOp.apply(q, k, v, runner, None)

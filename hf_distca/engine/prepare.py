@@ -89,6 +89,11 @@ class PreparedAttention:
         return self.index.rank
 
     @property
+    def window(self) -> int | None:
+        """The layer's sliding window the plan (and so the server kernel) follows; None: full causal."""
+        return self.plan.window
+
+    @property
     def world(self) -> int:
         return self.index.world_size
 
@@ -151,8 +156,11 @@ def prepare(
     group: Any = None,
     config: DistCAConfig,
     all_pieces: Sequence[Sequence[Sequence[int]]] | None = None,
+    window: int | None = None,
 ) -> PreparedAttention:
-    """The plan and index tensors of this call (see the module docstring for when ranks are checked).
+    """The plan and index tensors of this call (see the module docstring for when ranks are checked);
+    ``window``: the layer's sliding window (plans are cached per window: local and global layers of one
+    micro-batch plan once each).
 
     Collective on ``group`` when the inputs are new (see above); raises on every rank of the group
     together when any rank's input is malformed or the ranks disagree."""
@@ -185,7 +193,7 @@ def prepare(
         everyone, digest = seen.all_pieces, seen.digest
     if world > 1:  # every rank reaches this point together: the link probe's collectives run here
         config = with_measured_link(config, group, q.device)
-    prepared = _planned(everyone, digest, rank, q, k, config)
+    prepared = _planned(everyone, digest, rank, q, k, config, window)
     if prepared.num_local != q.shape[0]:
         raise ValueError(
             f"rank {rank}: q holds {q.shape[0]} rows but this micro-batch's pieces give it {prepared.num_local}; "
@@ -215,13 +223,19 @@ def _gather_pieces(info: LocalInputs, config: DistCAConfig, group: Any, device: 
 
 
 def _planned(
-    all_pieces: list[Pieces], digest: int, rank: int, q: torch.Tensor, k: torch.Tensor, config: DistCAConfig
+    all_pieces: list[Pieces],
+    digest: int,
+    rank: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    config: DistCAConfig,
+    window: int | None = None,
 ) -> PreparedAttention:
     q_heads, head_dim, kv_heads = q.shape[1], q.shape[2], k.shape[1]
     elem = q.element_size()
-    cost_model = cost_model_from_config(config)
+    cost_model = cost_model_from_config(config, window)
     # the cost model's repr carries its table's hash: a table rewritten in place plans anew
-    key = (digest, rank, len(all_pieces), q_heads, kv_heads, head_dim, elem, config, repr(cost_model))
+    key = (digest, rank, len(all_pieces), q_heads, kv_heads, head_dim, elem, config, repr(cost_model), window)
     hit = _plan_cache.get(key)
     if hit is not None:
         _plan_cache.move_to_end(key)
@@ -234,6 +248,7 @@ def _planned(
         config=config,
         cost_model=cost_model,
         flops_per_pair=attention_flops_per_pair(q_heads, head_dim),
+        window=window,
     )
     index = build_dispatch_index(plan, rank)
     metrics.record_plan(time.perf_counter() - t0)

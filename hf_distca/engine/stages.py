@@ -135,6 +135,7 @@ def compute(
         ix.max_seqlen_k,
         scale=scale,
         backend=backend,
+        window=prep.window,
     )
 
 
@@ -221,6 +222,7 @@ def compute_backward(
         ix.max_seqlen_k,
         scale=scale,
         backend=backend,
+        window=prep.window,
     )
 
 

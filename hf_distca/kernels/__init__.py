@@ -4,7 +4,9 @@ Every backend takes packed (T, H, D) tensors with cumulative sequence offsets wh
 ``cu_seqlens_q`` may differ from ``cu_seqlens_k``: sequence ``i`` pairs queries
 ``q[cu_q[i]:cu_q[i+1]]`` with keys ``k[cu_k[i]:cu_k[i+1]]``. Causal masking is aligned
 bottom-right (query i of a sequence sees keys j <= i + (len_k - len_q)), which is exactly the shape of
-a CA-task: a query shard at the end of a longer KV prefix. GQA (fewer KV heads) is supported by every
+a CA-task: a query shard at the end of a longer KV prefix. A sliding ``window`` (Transformers'
+``sliding_window``: query position i sees key j iff 0 <= i - j < window) is supported by every backend
+(torch_varlen needs torch >= 2.11's ``window_size``). GQA (fewer KV heads) is supported by every
 backend.
 
 :func:`attention_forward` returns the output and the log-sum-exp of the scaled scores;
@@ -50,6 +52,10 @@ class _Backend:
     """(dout, q, k, v, out, lse, seqs, scale) -> (dq, dk, dv)."""
     missing: str
     """What to install when ``available()`` is False."""
+    window: Callable[[], bool] = lambda: True
+    """Whether the backend computes a sliding window (``PackedSeqs.window``)."""
+    missing_window: str = ""
+    """What a sliding window needs when ``window()`` is False."""
 
 
 _BACKENDS: dict[str, _Backend] = {
@@ -66,6 +72,8 @@ _BACKENDS: dict[str, _Backend] = {
         torch_varlen.forward,
         torch_varlen.backward,
         "torch.nn.attention.varlen (torch >= 2.10) and a CUDA device",
+        torch_varlen.supports_window,
+        "torch.nn.attention.varlen's window_size needs torch >= 2.11",
     ),
     "flash_attn": _Backend(
         flash.available, True, flash.forward, flash.backward, "flash-attn (pip install flash-attn) and CUDA"
@@ -113,6 +121,11 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> s
 def _forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: PackedSeqs, scale: float, name: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if seqs.window is not None and not _BACKENDS[name].window():
+        raise UnsupportedFeatureError(
+            f"kernel backend {name!r} cannot compute sliding-window attention here "
+            f"({_BACKENDS[name].missing_window}); use backend='reference' or another backend"
+        )
     if q.shape[0] == 0:  # no query rows: nothing to run (GPU kernels may refuse empty launches)
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         return q.new_empty(q.shape), torch.empty(0, q.shape[1], dtype=lse_dtype, device=q.device)
@@ -151,16 +164,18 @@ def attention_forward(
     *,
     scale: float | None = None,
     backend: str = "auto",
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal (bottom-right aligned) varlen attention forward; not differentiable.
 
     q: (Tq, Hq, D); k, v: (Tk, Hkv, D) with Hq % Hkv == 0; cu_seqlens_*: (N + 1,) int offsets with the
     same N (a sequence may have 0 queries, and then any number of keys; never more queries than keys).
-    scale defaults to D ** -0.5. Returns out (Tq, Hq, D) in q's dtype and lse (Tq, Hq), the natural-log
-    log-sum-exp of the scaled scores, in float32 (float64 for float64 inputs). Offsets on a GPU are read
-    once on the host (one synchronisation); pass them on the CPU to avoid it.
+    scale defaults to D ** -0.5; ``window``: the sliding window (None: full causal). Returns out (Tq, Hq, D)
+    in q's dtype and lse (Tq, Hq), the natural-log log-sum-exp of the scaled scores, in float32 (float64
+    for float64 inputs). Offsets on a GPU are read once on the host (one synchronisation); pass them on
+    the CPU to avoid it.
     """
-    seqs = check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    seqs = check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window)
     name = resolve_backend(backend, q.device, q.dtype)
     return _forward(q, k, v, seqs, q.shape[-1] ** -0.5 if scale is None else scale, name)
 
@@ -179,14 +194,15 @@ def attention_backward(
     *,
     scale: float | None = None,
     backend: str = "auto",
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`attention_forward` from its inputs, its (out, lse) and dout; not differentiable.
 
     Returns dq like q and dk, dv like k, v (GQA: summed over each KV head's query group), in the inputs'
     dtypes. Keys of sequences without queries get zero gradients. ``out`` and ``lse`` must come from a
-    forward of the same inputs (any backend: all agree up to rounding).
+    forward of the same inputs and ``window`` (any backend: all agree up to rounding).
     """
-    seqs = check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    seqs = check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window)
     check_backward_inputs(dout, q, out, lse)
     name = resolve_backend(backend, q.device, q.dtype)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -221,9 +237,10 @@ def varlen_attention(
     *,
     scale: float | None = None,
     backend: str = "auto",
+    window: int | None = None,
 ) -> torch.Tensor:
     """Differentiable :func:`attention_forward` (output only): an autograd.Function whose backward is
     :func:`attention_backward` of the same backend."""
-    seqs = check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    seqs = check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window)
     name = resolve_backend(backend, q.device, q.dtype)
     return _VarlenAttention.apply(q, k, v, seqs, q.shape[-1] ** -0.5 if scale is None else scale, name)

@@ -16,7 +16,9 @@ class PackedSeqs:
     """The varlen layout of one kernel call, validated once and shared by forward and backward.
 
     Sequence ``i`` pairs queries ``q[q_bounds[i]:q_bounds[i + 1]]`` with keys
-    ``k[k_bounds[i]:k_bounds[i + 1]]``; causal masking is aligned bottom-right.
+    ``k[k_bounds[i]:k_bounds[i + 1]]``; causal masking is aligned bottom-right: query r of a sequence
+    (position r + len_k - len_q of its keys) sees keys j with 0 <= r + len_k - len_q - j < window
+    (every earlier key when ``window`` is None).
     """
 
     cu_seqlens_q: torch.Tensor
@@ -31,6 +33,9 @@ class PackedSeqs:
     """Host copy of cu_seqlens_q."""
     k_bounds: tuple[int, ...]
     """Host copy of cu_seqlens_k."""
+    window: int | None = None
+    """Sliding window (Transformers' ``sliding_window``): keys at most window - 1 positions before the
+    query; None: full causal."""
 
     @property
     def num_seqs(self) -> int:
@@ -51,6 +56,7 @@ def check_inputs(
     cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int,
     max_seqlen_k: int,
+    window: int | None = None,
 ) -> PackedSeqs:
     """Validate the packed layout and return it with host copies of the offsets.
 
@@ -105,7 +111,12 @@ def check_inputs(
             f"max_seqlen_q/k ({max_seqlen_q}, {max_seqlen_k}) must be at least the longest sequence "
             f"({longest_q} queries, {longest_k} keys)"
         )
-    return PackedSeqs(cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), q_bounds, k_bounds)
+    if window is not None and (isinstance(window, bool) or int(window) != window or window < 1):
+        raise ValueError(f"window must be a positive int (the sliding window) or None, got {window!r}")
+    window = None if window is None else int(window)
+    return PackedSeqs(
+        cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), q_bounds, k_bounds, window
+    )
 
 
 def device_offsets(cu_seqlens: torch.Tensor, device: torch.device) -> torch.Tensor:

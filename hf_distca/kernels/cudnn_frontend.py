@@ -18,6 +18,9 @@ with bottom-right alignment than top-left, so sequences are grouped:
   backward of each part takes the merged out and lse, so the parts' dq add up and their dk/dv cover
   disjoint keys.
 - sequences without queries run nowhere (the caller zeroes their dk/dv).
+- a sliding window W (``PackedSeqs.window``) is cuDNN's ``diagonal_band_left_bound=W`` on the causal
+  calls (key j visible from query position i iff i - j < W); suffix sequences then always run
+  bottom-right (a split's non-causal part would need the band too).
 
 Forward calls list only their own sequences; ragged offsets address them inside the full packed
 tensors, so no rows are copied and calls write disjoint rows of the shared outputs (the non-causal part
@@ -95,6 +98,8 @@ class KernelCall:
     buffer: the shared output (== q_rows) or a compact side buffer."""
     side: bool
     """Whether the call writes out/lse (forward) and dq (backward) to compact side buffers."""
+    window: int | None = None
+    """Sliding window of the causal masks (None: full causal)."""
 
     @property
     def num_seqs(self) -> int:
@@ -119,7 +124,7 @@ def plan_calls(seqs: PackedSeqs, strategy: str) -> tuple[KernelCall, ...]:
             continue
         if lq == lk:
             prefix.append((q0, k0, lq, lk, q0))
-        elif strategy == "bottom_right":
+        elif strategy == "bottom_right" or seqs.window is not None:
             suffix.append((q0, k0, lq, lk, q0))
         else:
             prefix.append((q0, k0 + lk - lq, lq, lq, q0))  # causal square over the last lq keys
@@ -128,7 +133,7 @@ def plan_calls(seqs: PackedSeqs, strategy: str) -> tuple[KernelCall, ...]:
 
     def call(mask: str, rows: list[tuple[int, int, int, int, int]], side: bool) -> KernelCall:
         q_rows, k_rows, q_lens, k_lens, out_rows = (tuple(col) for col in zip(*rows))
-        return KernelCall(mask, q_rows, k_rows, q_lens, k_lens, out_rows, side)
+        return KernelCall(mask, q_rows, k_rows, q_lens, k_lens, out_rows, side, seqs.window)
 
     calls = []
     if prefix:
@@ -214,13 +219,16 @@ def _thd_stride(seqlen: int, heads: int, dim: int) -> list[int]:
     return [seqlen * heads * dim, dim, heads * dim, 1]
 
 
-def _mask_arguments(cudnn, mask: str) -> dict:
+def _mask_arguments(cudnn, mask: str, window: int | None) -> dict:
     if mask == FULL:
         return {"diagonal_alignment": cudnn.diagonal_alignment.TOP_LEFT}
     alignment = (
         cudnn.diagonal_alignment.TOP_LEFT if mask == TOP_LEFT else cudnn.diagonal_alignment.BOTTOM_RIGHT
     )
-    return {"diagonal_alignment": alignment, "diagonal_band_right_bound": 0}
+    args = {"diagonal_alignment": alignment, "diagonal_band_right_bound": 0}
+    if window is not None:
+        args["diagonal_band_left_bound"] = window  # keys j with i - j < window (the window length)
+    return args
 
 
 def _new_graph(cudnn, handle, dtype: torch.dtype):
@@ -249,7 +257,7 @@ def _finish(graph) -> int:
 
 def _forward_graph(key: tuple, handle):
     cudnn = _cudnn()
-    dtype, b, hq, hk, d, s_q, s_kv, mask, scale = key[1:10]
+    dtype, b, hq, hk, d, s_q, s_kv, mask, scale, window = key[1:11]
     g, io = _new_graph(cudnn, handle, dtype)
     i64, i32 = cudnn.data_type.INT64, cudnn.data_type.INT32
     q = g.tensor(name="q", dim=[b, hq, s_q, d], stride=_thd_stride(s_q, hq, d), data_type=io, uid=_UID.Q)
@@ -268,7 +276,7 @@ def _forward_graph(key: tuple, handle):
         use_padding_mask=True,
         seq_len_q=_column(g, cudnn, "seq_len_q", b, _UID.SEQ_LEN_Q, i32),
         seq_len_kv=_column(g, cudnn, "seq_len_kv", b, _UID.SEQ_LEN_KV, i32),
-        **_mask_arguments(cudnn, mask),
+        **_mask_arguments(cudnn, mask, window),
     )
     o.set_uid(_UID.O).set_output(True).set_dim([b, hq, s_q, d]).set_stride(_thd_stride(s_q, hq, d))
     o.set_data_type(io)
@@ -283,7 +291,7 @@ def _forward_graph(key: tuple, handle):
 
 def _backward_graph(key: tuple, handle, ragged_stats: bool):
     cudnn = _cudnn()
-    dtype, b, hq, hk, d, s_q, s_kv, mask, scale, total_q, total_kv = key[1:12]
+    dtype, b, hq, hk, d, s_q, s_kv, mask, scale, total_q, total_kv, window = key[1:13]
     g, io = _new_graph(cudnn, handle, dtype)
     i64, i32 = cudnn.data_type.INT64, cudnn.data_type.INT32
     q_stride, kv_stride = _thd_stride(s_q, hq, d), _thd_stride(s_kv, hk, d)
@@ -331,7 +339,7 @@ def _backward_graph(key: tuple, handle, ragged_stats: bool):
         max_total_seq_len_q=total_q,
         max_total_seq_len_kv=total_kv,
         use_deterministic_algorithm=False,
-        **_mask_arguments(cudnn, mask),
+        **_mask_arguments(cudnn, mask, window),
     )
     for t, uid, dims, stride, ragged in (
         (dq, _UID.DQ, [b, hq, s_q, d], q_stride, _UID.RAGGED_DQ),
@@ -438,7 +446,7 @@ def launch_forward(
     hq, hk, d = q.shape[1], k.shape[1], q.shape[2]
     b, s_q, s_kv = _batch_and_lengths(call)
     handle = _handle(q.device)
-    key = ("forward", q.dtype, b, hq, hk, d, s_q, s_kv, call.mask, float(scale), q.device)
+    key = ("forward", q.dtype, b, hq, hk, d, s_q, s_kv, call.mask, float(scale), call.window, q.device)
     graph, workspace_size = _cached_forward_graph(key, handle)
     len_q, len_kv, off_q, off_k, off_o, off_stats, _ = _metadata(call, b, hq, hk, d, q.device)
     workspace = torch.empty(max(workspace_size, 1), dtype=torch.uint8, device=q.device)
@@ -480,7 +488,21 @@ def launch_backward(
     b, s_q, s_kv = _batch_and_lengths(call)
     totals = bucket(max(q.shape[0], dq.shape[0]), _MIN_SEQLEN), bucket(k.shape[0], _MIN_SEQLEN)
     handle = _handle(q.device)
-    key = ("backward", q.dtype, b, hq, hk, d, s_q, s_kv, call.mask, float(scale), *totals, q.device)
+    key = (
+        "backward",
+        q.dtype,
+        b,
+        hq,
+        hk,
+        d,
+        s_q,
+        s_kv,
+        call.mask,
+        float(scale),
+        *totals,
+        call.window,
+        q.device,
+    )
     (graph, workspace_size), ragged = _cached_backward_graph(key, handle)
     len_q, len_kv, off_q, off_k, off_dq, _, off_stats = _metadata(call, b, hq, hk, d, q.device)
     if ragged:
@@ -584,7 +606,9 @@ def _backward_call(
     dk, dv) packed, gathering the rows of calls that are not already packed.
     """
     q_starts, k_starts = packed_starts(call.q_lens), packed_starts(call.k_lens)
-    packed = KernelCall(call.mask, q_starts, k_starts, call.q_lens, call.k_lens, q_starts, call.side)
+    packed = KernelCall(
+        call.mask, q_starts, k_starts, call.q_lens, call.k_lens, q_starts, call.side, call.window
+    )
     q_in_place = call.q_rows == q_starts
     k_in_place = call.k_rows == k_starts
     rows = sum(call.q_lens)

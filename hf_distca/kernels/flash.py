@@ -3,7 +3,8 @@
 Untested in this project's CI and GPU runs (neither has flash-attn installed): it follows the package's
 documented varlen forward (``flash_attn_varlen_func(..., return_attn_probs=True)`` for the
 log-sum-exp) and calls the package's varlen backward function by the argument names its installed
-version declares. flash-attn >= 2.1 aligns causal bottom-right and takes H_kv < H_q natively.
+version declares. flash-attn >= 2.1 aligns causal bottom-right and takes H_kv < H_q natively; a sliding
+window W is its ``window_size=(W - 1, 0)`` with ``causal=True``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ def _offsets(seqs: PackedSeqs, device: torch.device) -> tuple[torch.Tensor, torc
     return device_offsets(seqs.cu_seqlens_q, device), device_offsets(seqs.cu_seqlens_k, device)
 
 
+def _window_size(seqs: PackedSeqs) -> tuple[int, int]:
+    return (-1, 0) if seqs.window is None else (seqs.window - 1, 0)
+
+
 def forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: PackedSeqs, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,6 +53,7 @@ def forward(
         dropout_p=0.0,
         softmax_scale=scale,
         causal=True,
+        window_size=_window_size(seqs),
         return_attn_probs=True,
     )
     return out, lse.float().transpose(0, 1).contiguous()  # (Hq, Tq) -> (Tq, Hq)
@@ -83,8 +89,8 @@ def backward(
         "dropout_p": 0.0,
         "softmax_scale": scale,
         "causal": True,
-        "window_size": (-1, 0),
-        "window_size_left": -1,
+        "window_size": _window_size(seqs),
+        "window_size_left": _window_size(seqs)[0],
         "window_size_right": 0,
         "softcap": 0.0,
         "alibi_slopes": None,

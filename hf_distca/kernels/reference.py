@@ -30,11 +30,17 @@ def _chunks(q0: int, q1: int, lk: int, heads: int) -> list[tuple[int, int]]:
     return [(c0, min(c0 + rows, q1)) for c0 in range(q0, q1, rows)]
 
 
-def _causal_allowed(c0: int, c1: int, lq: int, lk: int, device: torch.device) -> torch.Tensor:
-    """(rows, lk) mask: query row r (index r in its shard of lq) sees keys j <= r + (lk - lq)."""
-    rows = torch.arange(c0, c1, device=device).unsqueeze(1)  # (lc, 1), shard-relative
+def _causal_allowed(
+    c0: int, c1: int, lq: int, lk: int, device: torch.device, window: int | None = None
+) -> torch.Tensor:
+    """(rows, lk) mask: query row r (index r in its shard of lq, position r + lk - lq of the keys) sees
+    keys j with 0 <= r + lk - lq - j < window (no lower bound when ``window`` is None)."""
+    rows = torch.arange(c0, c1, device=device).unsqueeze(1) + (lk - lq)  # (lc, 1), key positions
     cols = torch.arange(lk, device=device).unsqueeze(0)  # (1, lk)
-    return cols <= rows + (lk - lq)
+    allowed = cols <= rows
+    if window is not None:
+        allowed = allowed & (cols > rows - window)
+    return allowed
 
 
 def forward(
@@ -54,8 +60,9 @@ def forward(
         for c0, c1 in _chunks(0, lq, lk, q.shape[1]):
             qs = q[q0 + c0 : q0 + c1].to(compute)  # (lc, Hq, D)
             scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale  # (Hq, lc, lk)
-            scores = scores.masked_fill(~_causal_allowed(c0, c1, lq, lk, q.device), float("-inf"))
-            lse = torch.logsumexp(scores, dim=-1)  # (Hq, lc); every row sees >= 1 key (lq <= lk)
+            allowed = _causal_allowed(c0, c1, lq, lk, q.device, seqs.window)
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            lse = torch.logsumexp(scores, dim=-1)  # (Hq, lc); every row sees >= 1 key (itself)
             probs = torch.exp(scores - lse.unsqueeze(-1))  # (Hq, lc, lk)
             outs.append(torch.einsum("hqk,khd->qhd", probs, vs))  # (lc, Hq, D)
             lses.append(lse.transpose(0, 1))  # (lc, Hq)
@@ -98,7 +105,8 @@ def backward(
             rows = slice(q0 + c0, q0 + c1)
             qs, dos, os = (t[rows].to(compute) for t in (q, dout, out))  # (lc, Hq, D) each
             scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale  # (Hq, lc, lk)
-            scores = scores.masked_fill(~_causal_allowed(c0, c1, lq, lk, q.device), float("-inf"))
+            allowed = _causal_allowed(c0, c1, lq, lk, q.device, seqs.window)
+            scores = scores.masked_fill(~allowed, float("-inf"))
             probs = torch.exp(scores - lse[rows].to(compute).transpose(0, 1).unsqueeze(-1))  # (Hq, lc, lk)
             dv_seq += torch.einsum("hqk,qhd->khd", probs, dos)
             dprobs = torch.einsum("qhd,khd->hqk", dos, vs)  # (Hq, lc, lk)
@@ -122,12 +130,13 @@ def reference_varlen_attention(
     *,
     scale: float | None = None,
     return_lse: bool = False,
+    window: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The oracle: the reference forward differentiated by torch.autograd (no explicit backward).
 
     Same layout and masking as :func:`hf_distca.kernels.attention_forward`; returns out, and with
     ``return_lse`` also lse.
     """
-    seqs = check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    seqs = check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window)
     out, lse = forward(q, k, v, seqs, q.shape[-1] ** -0.5 if scale is None else scale)
     return (out, lse) if return_lse else out

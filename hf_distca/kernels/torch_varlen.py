@@ -6,7 +6,8 @@ its arguments grew over releases (2.10: no scale/window_size; 2.11: scale, windo
 backend index), so it is called by the names its schema declares. Without that op,
 ``aten._flash_attention_backward`` is called directly. Both align causal bottom-right when
 cu_seqlens_q != cu_seqlens_k. The log-sum-exp is (Hq, Tq) inside FlashAttention; the interface's is
-(Tq, Hq).
+(Tq, Hq). A sliding window W is FlashAttention's ``window_size=(W - 1, 0)`` (bottom-right aligned like
+causal; torch >= 2.11, whose varlen_attn has ``window_size``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,16 @@ def available() -> bool:
 @functools.lru_cache(maxsize=1)
 def _parameters() -> frozenset[str]:
     return frozenset(inspect.signature(_varlen_module().varlen_attn).parameters)
+
+
+def supports_window() -> bool:
+    """Whether this torch's varlen_attn takes ``window_size`` (sliding windows; torch >= 2.11)."""
+    return _varlen_module() is not None and "window_size" in _parameters()
+
+
+def _window_size(seqs: PackedSeqs) -> tuple[int, int]:
+    """FlashAttention's (left, right): causal (-1, 0), or W - 1 keys to the left under a window W."""
+    return (-1, 0) if seqs.window is None else (seqs.window - 1, 0)
 
 
 def _native_gqa() -> bool:
@@ -72,7 +83,7 @@ def forward(
     params = _parameters()
     kwargs = {"scale": scale, "return_aux": varlen.AuxRequest(lse=True)}
     if "window_size" in params:
-        kwargs["window_size"] = (-1, 0)  # causal
+        kwargs["window_size"] = _window_size(seqs)
     else:
         kwargs["is_causal"] = True
     if "enable_gqa" in params and k.shape[1] != q.shape[1]:
@@ -115,10 +126,10 @@ def backward(
             "cu_seq_k": cu_k,
             "max_q": seqs.max_seqlen_q,
             "max_k": seqs.max_seqlen_k,
-            "is_causal": True,
+            "is_causal": seqs.window is None,  # a window is non-causal with window_size (W - 1, 0)
             "rng_state": rng_state,
             "scale": scale,
-            "window_size": [-1, 0],
+            "window_size": list(_window_size(seqs)),
         }
         dq, dk, dv = torch.ops.torch_attn._varlen_attn_backward(
             **{name: value for name, value in wanted.items() if name in names}
@@ -136,10 +147,12 @@ def backward(
             seqs.max_seqlen_q,
             seqs.max_seqlen_k,
             0.0,
-            True,
+            seqs.window is None,
             rng_state,
             torch.empty(0, device=q.device),
             scale=scale,
+            window_size_left=_window_size(seqs)[0],
+            window_size_right=0,
         )
     if dk.shape[1] != hkv:  # repeated K/V: sum each KV head's query group
         groups = hq // hkv

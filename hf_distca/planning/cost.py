@@ -1,13 +1,16 @@
-"""Cost models for CA-tasks: how expensive is computing queries [a, b) of a document against keys [0, b).
+"""Cost models for CA-tasks: how expensive is computing queries [a, b) of a document against their keys
+([0, b), or [kv_start(a), b) under a sliding window: :mod:`hf_distca.planning.window`).
 
 A cost model is any object with ``task_cost(a, b) -> float``; the planner only compares and adds
 costs, so their unit is free. :func:`cost_model_from_config` picks the one a :class:`DistCAConfig`
 asks for: :class:`CausalPairsCost` by default, :class:`MeasuredCost` from the table of
-``DistCAConfig.cost_table`` (written by ``python -m hf_distca.calibrate``).
+``DistCAConfig.cost_table`` (written by ``python -m hf_distca.calibrate``); both take the layer's
+sliding window (``window``, None: full causal).
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import json
@@ -17,6 +20,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+from hf_distca.planning.window import as_window, attended_pairs, kv_start
 
 COST_TABLE_FORMAT = "hf_distca.cost_table/1"
 TIMED = ("forward+backward", "forward")
@@ -29,17 +34,30 @@ def causal_pairs(a: int, b: int) -> int:
 
 
 class CausalPairsCost:
-    """Cost of a task = its causal (query, key) pairs, :func:`causal_pairs`; the default cost model.
+    """Cost of a task = its (query, key) pairs, :func:`~hf_distca.planning.window.attended_pairs` (causal
+    pairs without a window); the default cost model.
 
     Proportional to the task's attention FLOPs (forward: 4 x heads x head_dim x pairs), which is what
     the kernel's time follows once shards are long (>= ~128 tokens)."""
 
+    def __init__(self, window: int | None = None):
+        self.window = as_window(window)
+
     def task_cost(self, a: int, b: int) -> float:
-        """Causal (query, key) pairs of queries [a, b) over keys [0, b), as a float."""
-        return float(causal_pairs(a, b))
+        """(query, key) pairs of queries [a, b) over their keys, as a float."""
+        return float(attended_pairs(a, b, self.window))
+
+    def with_window(self, window: int | None) -> CausalPairsCost:
+        return self if as_window(window) == self.window else CausalPairsCost(window)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CausalPairsCost) and other.window == self.window
+
+    def __hash__(self) -> int:
+        return hash(("CausalPairsCost", self.window))
 
     def __repr__(self) -> str:
-        return "CausalPairsCost()"
+        return "CausalPairsCost()" if self.window is None else f"CausalPairsCost(window={self.window})"
 
 
 class MeasuredCost:
@@ -50,8 +68,13 @@ class MeasuredCost:
     exact causal pairs divided by that rate. Entries with q_len > kv_len cannot be measured (a task's
     queries are a suffix of its KV prefix): they are ignored and take the rate of the same column's
     largest feasible q_len, so whole documents (q_len == kv_len) are priced from measured shapes only.
-    Outside the grid the nearest rate is used.
+    Outside the grid the nearest rate is used. With a sliding ``window`` (:meth:`with_window`) a task
+    costs its windowed pairs at the rate of its shape (q_len, keys it reads): the table measures full
+    causal tasks, so this assumes a windowed kernel runs its pairs at the rate of a causal one of that
+    shape.
     """
+
+    window: int | None = None
 
     def __init__(
         self,
@@ -129,18 +152,31 @@ class MeasuredCost:
             h.update(self.timed.encode())
         return h.hexdigest()
 
+    def with_window(self, window: int | None) -> MeasuredCost:
+        """The same table pricing tasks of a layer with this sliding window (None: full causal)."""
+        window = as_window(window)
+        if window == self.window:
+            return self
+        other = copy.copy(self)
+        other.window = window
+        return other
+
     def task_cost(self, a: int, b: int) -> float:
-        q_len, kv_len = b - a, b
+        q_len, kv_len = b - a, b - kv_start(a, self.window)
         if q_len <= 0:
             return 0.0
         qc = float(np.clip(q_len, self.q_lens[0], self.q_lens[-1]))
         kc = float(np.clip(kv_len, self.kv_lens[0], self.kv_lens[-1]))
         per_q = np.array([np.interp(kc, self.kv_lens, row) for row in self.rate])  # (Q,)
         rate = float(np.interp(qc, self.q_lens, per_q))
-        return _shape_pairs(q_len, kv_len) / rate
+        pairs = _shape_pairs(q_len, kv_len) if self.window is None else attended_pairs(a, b, self.window)
+        return pairs / rate
 
     def __repr__(self) -> str:
-        return f"MeasuredCost({len(self.q_lens)}x{len(self.kv_lens)} table, sha256={self.digest()[:16]})"
+        window = "" if self.window is None else f", window={self.window}"
+        return (
+            f"MeasuredCost({len(self.q_lens)}x{len(self.kv_lens)} table, sha256={self.digest()[:16]}{window})"
+        )
 
 
 def _shape_pairs(q_len: float, kv_len: float) -> float:
@@ -173,16 +209,17 @@ def write_cost_table(
         f.write("\n")
 
 
-def cost_model_from_config(config: Any) -> CausalPairsCost | MeasuredCost:
-    """The cost model a :class:`~hf_distca.config.DistCAConfig` asks for.
+def cost_model_from_config(config: Any, window: int | None = None) -> CausalPairsCost | MeasuredCost:
+    """The cost model a :class:`~hf_distca.config.DistCAConfig` asks for, for a layer with this sliding
+    ``window`` (None: full causal).
 
     ``config.cost_table`` None: :class:`CausalPairsCost`; a path: :class:`MeasuredCost` of that table,
     loaded once per file version (path, modification time, size) and shared by later calls."""
     path = getattr(config, "cost_table", None)
     if path is None:
-        return _PAIRS
+        return _PAIRS.with_window(window)
     stat = os.stat(path)
-    return _load_table(os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
+    return _load_table(os.path.abspath(path), stat.st_mtime_ns, stat.st_size).with_window(window)
 
 
 _PAIRS = CausalPairsCost()

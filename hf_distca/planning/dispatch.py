@@ -2,8 +2,8 @@
 
 Conventions (all ranks derive the same orders from the plan, so no index is ever exchanged):
 - the Q stream from holder h to server s: the rows of s's tasks held by h, in s's task order;
-- the KV stream from h to s: for each document s needs (ascending id), the rows of its KV prefix
-  held by h, in position order;
+- the KV stream from h to s: for each document s needs (ascending id), the rows of its key ranges
+  (``CorePlan.kv_ranges``: the KV prefix without a sliding window) held by h, in position order;
 - outputs come back from s to h in exactly the order h sent the queries.
 A server's pools are ``cat([local rows, rows received from rank 0, from rank 1, ...])``.
 """
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hf_distca.planning.planner import CorePlan
+from hf_distca.planning.window import kv_start
 
 
 @dataclass
@@ -84,8 +85,9 @@ def build_dispatch_index(plan: CorePlan, rank: int) -> DispatchIndex:
         ]
         kv_segs = [
             (start, n)
-            for doc in sorted(plan.kv_prefix[server])
-            for _, start, n in index.segments(doc, 0, plan.kv_prefix[server][doc], rank)
+            for doc in sorted(plan.kv_ranges[server])
+            for lo, hi in plan.kv_ranges[server][doc]
+            for _, start, n in index.segments(doc, lo, hi, rank)
         ]
         q_rows, kv_rows = _aranges(q_segs), _aranges(kv_segs)
         send_q.append(q_rows)
@@ -101,25 +103,28 @@ def build_dispatch_index(plan: CorePlan, rank: int) -> DispatchIndex:
         for holder, _, n in index.segments(t.doc_id, t.q_start, t.q_end):
             if holder != rank:
                 recv_q_counts[holder] += n
-    for doc, prefix in plan.kv_prefix[rank].items():
-        for holder, _, n in index.segments(doc, 0, prefix):
-            if holder != rank:
-                recv_kv_counts[holder] += n
+    for doc, ranges in plan.kv_ranges[rank].items():
+        for lo, hi in ranges:
+            for holder, _, n in index.segments(doc, lo, hi):
+                if holder != rank:
+                    recv_kv_counts[holder] += n
     q_base = num_local + np.concatenate([[0], np.cumsum(recv_q_counts)[:-1]]).astype(np.int64)
     kv_base = num_local + np.concatenate([[0], np.cumsum(recv_kv_counts)[:-1]]).astype(np.int64)
 
-    # KV pool indices of every document prefix this server needs
+    # KV pool indices of every key range this server needs, per document: (range start, pool indices)
     kv_pos = [0] * world
-    doc_kv: dict[int, np.ndarray] = {}
-    for doc in sorted(plan.kv_prefix[rank]):
-        segs = []
-        for holder, start, n in index.segments(doc, 0, plan.kv_prefix[rank][doc]):
-            if holder == rank:
-                segs.append((start, n))
-            else:
-                segs.append((int(kv_base[holder]) + kv_pos[holder], n))
-                kv_pos[holder] += n
-        doc_kv[doc] = _aranges(segs)
+    doc_kv: dict[int, list[tuple[int, np.ndarray]]] = {}
+    for doc in sorted(plan.kv_ranges[rank]):
+        doc_kv[doc] = []
+        for lo, hi in plan.kv_ranges[rank][doc]:
+            segs = []
+            for holder, start, n in index.segments(doc, lo, hi):
+                if holder == rank:
+                    segs.append((start, n))
+                else:
+                    segs.append((int(kv_base[holder]) + kv_pos[holder], n))
+                    kv_pos[holder] += n
+            doc_kv[doc].append((lo, _aranges(segs)))
 
     q_pos = [0] * world
     q_segs, kv_parts, cu_q, cu_k = [], [], [0], [0]
@@ -136,9 +141,11 @@ def build_dispatch_index(plan: CorePlan, rank: int) -> DispatchIndex:
                 q_pos[holder] += n
                 out_to[holder].append((kernel_row, n))
             kernel_row += n
-        kv_parts.append(doc_kv[t.doc_id][: t.q_end])
+        first = kv_start(t.q_start, plan.window)
+        lo, rows = next((lo, rows) for lo, rows in doc_kv[t.doc_id] if lo <= first < lo + len(rows))
+        kv_parts.append(rows[first - lo : t.q_end - lo])  # the task's keys [first, q_end)
         cu_q.append(cu_q[-1] + t.q_len)
-        cu_k.append(cu_k[-1] + t.q_end)
+        cu_k.append(cu_k[-1] + t.q_end - first)
     kernel_q_index = _aranges(q_segs)
     kernel_kv_index = np.concatenate(kv_parts) if kv_parts else np.zeros(0, dtype=np.int64)
 

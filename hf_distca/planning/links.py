@@ -160,7 +160,8 @@ def add_bytes(
 
 def plan_rows(plan: Any) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
     """The rows a :class:`~hf_distca.planning.CorePlan` moves in one forward dispatch, as (holder, server, rows) arrays with holder !=
-    server: query rows of every task, and KV-prefix rows of every server's prefixes (each once)."""
+    server: query rows of every task, and the key rows of every server's key ranges (each once; the KV
+    prefixes without a sliding window)."""
     docs, starts, ends, servers = [], [], [], []
     for server, tasks in enumerate(plan.tasks):
         for t in tasks:
@@ -168,14 +169,16 @@ def plan_rows(plan: Any) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]
             starts.append(t.q_start)
             ends.append(t.q_end)
             servers.append(server)
-    kv_docs, kv_ends, kv_servers = [], [], []
-    for server, prefixes in enumerate(plan.kv_prefix):
-        for doc, prefix in prefixes.items():
-            kv_docs.append(doc)
-            kv_ends.append(prefix)
-            kv_servers.append(server)
+    kv_docs, kv_starts, kv_ends, kv_servers = [], [], [], []
+    for server, per_doc in enumerate(plan.kv_ranges):
+        for doc, ranges in per_doc.items():
+            for lo, hi in ranges:
+                kv_docs.append(doc)
+                kv_starts.append(lo)
+                kv_ends.append(hi)
+                kv_servers.append(server)
     out = []
-    for d, a, b, srv in ((docs, starts, ends, servers), (kv_docs, [0] * len(kv_docs), kv_ends, kv_servers)):
+    for d, a, b, srv in ((docs, starts, ends, servers), (kv_docs, kv_starts, kv_ends, kv_servers)):
         request, holder, rows = plan.index.segment_rows(d, a, b)
         server = np.asarray(srv, dtype=np.int64)[request]
         remote = holder != server

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hf_distca.config import DistCAConfig
-from hf_distca.planning.cost import CausalPairsCost, causal_pairs
+from hf_distca.planning.cost import CausalPairsCost
 from hf_distca.planning.links import (
     INTER,
     INTRA,
@@ -51,11 +51,21 @@ from hf_distca.planning.links import (
     plan_rows,
 )
 from hf_distca.planning.pieces import DocIndex
+from hf_distca.planning.window import (
+    Ranges,
+    as_window,
+    attended_pairs,
+    kv_ranges,
+    kv_start,
+    ranges_minus,
+    ranges_union,
+)
 
 
 @dataclass(frozen=True, order=True)
 class CATask:
-    """Queries [q_start, q_end) of one document, attending causally to its KV prefix [0, q_end)."""
+    """Queries [q_start, q_end) of one document, attending causally to its KV prefix [0, q_end) (under a
+    sliding window W, to keys [max(0, q_start - W + 1), q_end): :mod:`hf_distca.planning.window`)."""
 
     doc_id: int
     q_start: int
@@ -73,8 +83,9 @@ class CorePlan:
     index: DocIndex
     tasks: list[list[CATask]]
     """Per server, its tasks in canonical order (doc_id, q_start); the kernel runs them in this order."""
-    kv_prefix: list[dict[int, int]]
-    """Per server: doc_id -> length of the KV prefix of that document the server needs."""
+    kv_ranges: list[dict[int, Ranges]]
+    """Per server: doc_id -> the key positions of that document its tasks read, as sorted disjoint
+    [lo, hi) ranges (without a window one range, the KV prefix [0, end of its last task))."""
     load_before: list[float]
     """Per server: cost of attention it would compute with no balancing (its own pieces)."""
     load_after: list[float]
@@ -99,10 +110,17 @@ class CorePlan:
     bytes_sent: list[int] = field(default_factory=list)
     """Per rank: bytes it sends in one forward call (Q and KV out, outputs back)."""
     bytes_received: list[int] = field(default_factory=list)
+    window: int | None = None
+    """The layer's sliding window (None: full causal), which the tasks' key ranges and pairs follow."""
 
     @property
     def world_size(self) -> int:
         return len(self.tasks)
+
+    @property
+    def kv_prefix(self) -> list[dict[int, int]]:
+        """Per server: doc_id -> the end of the last key range it reads (the KV prefix without a window)."""
+        return [{doc: ranges[-1][1] for doc, ranges in per.items()} for per in self.kv_ranges]
 
     @property
     def imbalance_before(self) -> float:
@@ -115,6 +133,8 @@ class CorePlan:
     def digest(self) -> str:
         """A hash of the assignment; identical on every rank that planned the same inputs."""
         h = hashlib.sha256()
+        if self.window is not None:
+            h.update(f"window={self.window};".encode())
         for server, tasks in enumerate(self.tasks):
             h.update(f"{server}:".encode())
             for t in tasks:
@@ -130,7 +150,7 @@ def _imbalance(loads: Sequence[float]) -> float:
 class _Server:
     """Mutable planning state of one server."""
 
-    __slots__ = ("rank", "intervals", "load", "kv_need", "recv_bytes")
+    __slots__ = ("rank", "intervals", "load", "kv_need", "kv_given", "recv_bytes")
 
     def __init__(self, rank: int):
         self.rank = rank
@@ -141,12 +161,14 @@ class _Server:
         self.kv_need: dict[
             int, int
         ] = {}  # doc -> longest KV prefix this server was ever given (move scoring)
+        self.kv_given: dict[int, Ranges] = {}  # with a window: doc -> every key range it was ever given
         self.recv_bytes = 0
 
     def clone(self) -> _Server:
         other = _Server(self.rank)
         other.intervals = {doc: [iv[:] for iv in ivs] for doc, ivs in self.intervals.items()}
         other.load, other.kv_need, other.recv_bytes = self.load, dict(self.kv_need), self.recv_bytes
+        other.kv_given = dict(self.kv_given)  # add() replaces a document's ranges, never edits them
         return other
 
     def need(self, doc: int) -> int:
@@ -164,7 +186,21 @@ class _Server:
             return a
         return ivs[-2][1] if len(ivs) > 1 else 0
 
-    def add(self, doc: int, a: int, b: int) -> None:
+    def kv(self, doc: int, window: int | None) -> Ranges:
+        """The key ranges of ``doc`` the server's current tasks read."""
+        ivs = self.intervals.get(doc)
+        if not ivs:
+            return []
+        return [(0, ivs[-1][1])] if window is None else kv_ranges(ivs, window)
+
+    def given(self, doc: int, window: int | None) -> Ranges:
+        """Every key range of ``doc`` the server was ever given (move scoring)."""
+        if window is None:
+            have = self.kv_need.get(doc, 0)
+            return [(0, have)] if have else []
+        return self.kv_given.get(doc, [])
+
+    def add(self, doc: int, a: int, b: int, window: int | None = None) -> None:
         ivs = self.intervals.setdefault(doc, [])
         i = bisect.bisect_left(ivs, [a, b])
         ivs.insert(i, [a, b])
@@ -176,6 +212,8 @@ class _Server:
             ivs[i - 1][1] = ivs[i][1]
             del ivs[i]
         self.kv_need[doc] = max(self.kv_need.get(doc, 0), b)
+        if window is not None:
+            self.kv_given[doc] = ranges_union(self.kv_given.get(doc, []), [(kv_start(a, window), b)])
 
     def remove(self, doc: int, a: int, b: int) -> None:
         ivs = self.intervals[doc]
@@ -352,6 +390,7 @@ class _Balancer:
         self, index: DocIndex, cost, config: DistCAConfig, link: LinkModel | None, q_row: int, kv_row: int
     ):
         self.index, self.cost, self.config, self.link = index, cost, config, link
+        self.window = getattr(cost, "window", None)
         # causal pairs add up over any split of a task: a move changes src and dst by the moved shard's
         # cost; other models (measured time) price a server's merged intervals, see _load_changes
         self.additive = isinstance(cost, CausalPairsCost)
@@ -372,7 +411,7 @@ class _Balancer:
         self._owned_docs: set[int] = set()
         for doc in index.doc_ids:
             for h in index.holdings[doc]:
-                self.servers[h.rank].add(doc, h.doc_start, h.doc_end)
+                self.servers[h.rank].add(doc, h.doc_start, h.doc_end, self.window)
                 self.serving.setdefault(doc, set()).add(h.rank)
         for s in self.servers:
             s.load = sum(cost.task_cost(a, b) for ivs in s.intervals.values() for a, b in ivs)
@@ -389,13 +428,15 @@ class _Balancer:
 
     def _initial_traffic(self) -> Changes:
         """Bytes of the start (every server its own pieces): each server's KV prefixes from their holders."""
-        docs, ends, servers = [], [], []
+        docs, starts, ends, servers = [], [], [], []
         for s in self.servers:
             for doc in s.intervals:
-                docs.append(doc)
-                ends.append(s.need(doc))
-                servers.append(s.rank)
-        request, holder, rows = self.index.segment_rows(docs, [0] * len(docs), ends)
+                for lo, hi in s.kv(doc, self.window):
+                    docs.append(doc)
+                    starts.append(lo)
+                    ends.append(hi)
+                    servers.append(s.rank)
+        request, holder, rows = self.index.segment_rows(docs, starts, ends)
         server = np.asarray(servers, dtype=np.int64)[request]
         remote = holder != server
         holder, server, kv_bytes = holder[remote], server[remote], rows[remote] * self.kv_row
@@ -466,17 +507,35 @@ class _Balancer:
                 self._add(changes, h, src.rank, Q_OUT, Q_IN, -n * self.q_row)
             if h != dst.rank:
                 self._add(changes, h, dst.rank, Q_OUT, Q_IN, n * self.q_row)
-        have = dst.need(doc)
-        if y > have:
-            for h, n in segments(doc, have, y):
+        for lo, hi in self.kv_added(dst, doc, x, y):
+            for h, n in segments(doc, lo, hi):
                 if h != dst.rank:
                     self._add(changes, h, dst.rank, KV_OUT, KV_IN, n * self.kv_row)
-        before, after = src.need(doc), src.need_without(doc, x, y)
-        if after < before:
-            for h, n in segments(doc, after, before):
+        for lo, hi in self.kv_freed(src, doc, x, y):
+            for h, n in segments(doc, lo, hi):
                 if h != src.rank:
                     self._add(changes, h, src.rank, KV_OUT, KV_IN, -n * self.kv_row)
         return changes
+
+    def kv_added(self, dst: _Server, doc: int, x: int, y: int) -> Ranges:
+        """Key ranges ``dst`` starts reading when it takes queries [x, y) of ``doc``."""
+        if self.window is None:
+            have = dst.need(doc)
+            return [(have, y)] if y > have else []
+        return ranges_minus([(kv_start(x, self.window), y)], dst.kv(doc, self.window))
+
+    def kv_freed(self, src: _Server, doc: int, x: int, y: int) -> Ranges:
+        """Key ranges ``src`` stops reading when queries [x, y) of ``doc`` leave it."""
+        if self.window is None:
+            before, after = src.need(doc), src.need_without(doc, x, y)
+            return [(after, before)] if after < before else []
+        rest = []
+        for a, b in src.intervals[doc]:
+            if a <= x and y <= b:
+                rest += [iv for iv in ([a, x], [y, b]) if iv[1] > iv[0]]
+            else:
+                rest.append([a, b])
+        return ranges_minus(src.kv(doc, self.window), kv_ranges(rest, self.window))
 
     def _load_changes(self, src: _Server, dst: _Server, doc: int, x: int, y: int) -> tuple[float, float]:
         """(how much src's load drops, how much dst's rises) when queries [x, y) of ``doc`` move: the
@@ -531,7 +590,7 @@ class _Balancer:
         src.load -= src_drop
         if move.doc not in src.intervals:
             self.serving[move.doc].discard(src.rank)
-        dst.add(move.doc, move.a, move.b)
+        dst.add(move.doc, move.a, move.b, self.window)
         dst.load += dst_rise
         self.loads[src.rank], self.loads[dst.rank] = src.load, dst.load
         dst.recv_bytes += move.bytes_in
@@ -702,9 +761,13 @@ class _Balancer:
             return None, False
         c = src_drop
         q_row, kv_row = self.q_row, self.kv_row
-        have = dst.kv_need.get(doc, 0)
         q_in = (y - x) - self.rows_held(dst.rank, doc, x, y)  # rows dst lacks
-        kv_in = (y - have) - self.rows_held(dst.rank, doc, have, y) if y > have else 0
+        if self.window is None:
+            have = dst.kv_need.get(doc, 0)
+            kv_in = (y - have) - self.rows_held(dst.rank, doc, have, y) if y > have else 0
+        else:
+            lacking = ranges_minus([(kv_start(x, self.window), y)], dst.given(doc, self.window))
+            kv_in = sum((hi - lo) - self.rows_held(dst.rank, doc, lo, hi) for lo, hi in lacking)
         bytes_in = q_in * q_row + kv_in * kv_row
         bound = self.config.max_recv_bytes_per_server
         if bound is not None and dst.recv_bytes + bytes_in > bound:
@@ -762,6 +825,7 @@ def plan_core_attention(
     config: DistCAConfig | None = None,
     cost_model=None,
     flops_per_pair: float | None = None,
+    window: int | None = None,
 ) -> CorePlan:
     """Plan one micro-batch's core attention over ``len(pieces_per_rank)`` in-place servers.
 
@@ -773,10 +837,19 @@ def plan_core_attention(
     flops_per_pair: forward+backward FLOPs of one (query, key) pair
     (:func:`~hf_distca.planning.links.attention_flops_per_pair`); needed to price causal pairs in
     seconds when ``config.link_gib_per_s`` is set.
+    window: the layer's sliding window (None: full causal): a task [a, b) then reads keys
+    [max(0, a - window + 1), b) and costs its windowed pairs (:mod:`hf_distca.planning.window`); the cost
+    model is given this window (its ``with_window``).
     """
+    window = as_window(window)
+    cost = cost_model or CausalPairsCost()
+    if hasattr(cost, "with_window"):
+        cost = cost.with_window(window)
+    elif window is not None:
+        raise ValueError(f"cost model {cost!r} has no with_window(): it cannot price a sliding window")
     with _collector_paused():
         return _plan(
-            pieces_per_rank, q_row_bytes, kv_row_bytes, config or DistCAConfig(), cost_model, flops_per_pair
+            pieces_per_rank, q_row_bytes, kv_row_bytes, config or DistCAConfig(), cost, flops_per_pair
         )
 
 
@@ -798,14 +871,14 @@ def _collector_paused():
 def _plan(
     pieces_per_rank, q_row_bytes: int, kv_row_bytes: int, config: DistCAConfig, cost_model, flops_per_pair
 ) -> CorePlan:
-    cost = cost_model or CausalPairsCost()
+    cost = cost_model
     link = link_model_from_config(config, cost, flops_per_pair)
     index = DocIndex(pieces_per_rank)
     balance_only = _Balancer(index, cost, config, None, q_row_bytes, kv_row_bytes)
     before = (
         list(balance_only.loads),
         [
-            sum(causal_pairs(a, b) for ivs in s.intervals.values() for a, b in ivs)
+            sum(attended_pairs(a, b, balance_only.window) for ivs in s.intervals.values() for a, b in ivs)
             for s in balance_only.servers
         ],
     )
@@ -853,24 +926,26 @@ def _finish(
 ) -> CorePlan:
     """The plan of a balancer's current assignment, priced under ``link`` when given
     (``critical_path_before``: that of no moves; default: this plan's own)."""
-    tasks, kv_prefix = [], []
+    tasks, kv = [], []
+    window = balancer.window
     for s in balancer.servers:
         ts = [CATask(doc, a, b) for doc in sorted(s.intervals) for a, b in s.intervals[doc]]
         tasks.append(ts)
-        kv_prefix.append({doc: s.need(doc) for doc in sorted(s.intervals)})
+        kv.append({doc: s.kv(doc, window) for doc in sorted(s.intervals)})
     cost = balancer.cost
     plan = CorePlan(
         index=balancer.index,
         tasks=tasks,
-        kv_prefix=kv_prefix,
+        kv_ranges=kv,
         load_before=before[0],
         load_after=[sum(cost.task_cost(t.q_start, t.q_end) for t in ts) for ts in tasks],
         pairs_before=before[1],
-        pairs_after=[sum(causal_pairs(t.q_start, t.q_end) for t in ts) for ts in tasks],
+        pairs_after=[sum(attended_pairs(t.q_start, t.q_end, window) for t in ts) for ts in tasks],
         q_row_bytes=balancer.q_row,
         kv_row_bytes=balancer.kv_row,
         moves=len(balancer.moves),
         balance_level=level,
+        window=window,
     )
     plan.bytes_sent, plan.bytes_received = _traffic(plan)
     if link is not None:
