@@ -85,6 +85,36 @@ def test_compiled_packed_documents_match_eager(boundaries):
     torch.testing.assert_close(compiled_loss, eager[0], rtol=TOL["logits"][0], atol=0)
 
 
+def test_compiled_sliding_window_layers_match_eager():
+    """Mistral with a window shorter than the documents, local and with a one-process DistCA layout: each
+    layer's window reaches the custom ops (and their plan cache, keyed by window)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, sliding_window=24, use_cache=False)  # fmt: skip
+    model = MistralForCausalLM._from_config(cfg, attn_implementation="distca", dtype=torch.float32)
+    ids, positions, weights = global_batch()
+    pieces = tuple((d, 0, n) for d, n in enumerate(DOCS))
+    eager_model = copy.deepcopy(model)
+    for m in (model, eager_model):
+        hf_distca.enable_distca(m, config=hf_distca.DistCAConfig(backend="reference"))
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    for layout in (None, DistCALayout(pieces=pieces, all_pieces=(pieces,))):
+        inputs = {"input_ids": ids[None], "position_ids": positions[None]}
+        if layout is not None:
+            inputs["distca_layout"] = layout
+        eager = step(eager_model, weights, **inputs)
+        assert_same_step(step(compiled, weights, **inputs), eager, f"window, layout={layout is not None}")
+    cfg_full = copy.deepcopy(cfg)
+    cfg_full.sliding_window = None
+    full = MistralForCausalLM._from_config(cfg_full, attn_implementation="distca", dtype=torch.float32)
+    full.load_state_dict(eager_model.state_dict())
+    assert not torch.allclose(
+        step(full, weights, input_ids=ids[None], position_ids=positions[None])[0], eager[0]
+    )
+
+
 def test_inductor_compiles_packed_documents():
     ids, positions, weights = global_batch()
     inputs = {"input_ids": ids[None], "position_ids": positions[None]}

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One H200: sliding windows on the GPU, the linear-attention GPU tests, and the kernel cost tables.
+#   bash benchmarks/gpu_window_suite.sh OUTDIR
+# 1. tests/test_gpu.py -k "sliding_window or compiled": every CUDA backend's window against the reference;
+# 2. benchmarks/bench_kernels.py --windows: one 64K document, windowed vs full causal TFLOP/s;
+# 3. benchmarks/bench_window_step.py: Gemma-3-4B-shaped step (6 layers, 5 local : 1 global) at 64K tokens,
+#    distca vs every document cut to the window vs sdpa;
+# 4. tests/test_gpu_linear.py (chunked and the Qwen3-Next layer first, then fla's kernels);
+# 5. python -m hf_distca.calibrate: the (q_len, kv_len) -> seconds tables of the cudnn and torch_varlen
+#    backends for bf16 32/8 heads x 128.
+# Wheels in $WHEEL_DIR (default .whl) are installed without dependencies first. About 9 minutes.
+set -u
+out="${1:?output directory}"
+mkdir -p "$out"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+wheels="${WHEEL_DIR:-.whl}"
+if ls "$wheels"/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        "$wheels"/*.whl || exit 1
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD:$PYTHONPATH"
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  python3 -c "import sys, torch, transformers, triton; print(sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
+} > "$out/gpus.txt" 2>&1
+cat "$out/gpus.txt"
+run() {  # name timeout command...
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name"
+    timeout "$limit" "$@" > "$out/$name.log" 2>&1
+    echo "rc=$?" >> "$out/$name.log"
+    tail -14 "$out/$name.log"
+}
+run test_gpu_window 100 python3 -m pytest -q -rs --timeout=90 -p no:cacheprovider tests/test_gpu.py \
+    -k "sliding_window or compiled"
+run kernels_window 110 python3 benchmarks/bench_kernels.py --windows 1024 2048 4096 8192 --tokens 65536 \
+    --out "$out/kernels_window_h200.md"
+run window_step 200 torchrun --nproc-per-node 1 benchmarks/bench_window_step.py --layers 6 \
+    --tokens-per-rank 65536 --out "$out/window_step_h200.md"
+run test_gpu_linear 90 python3 -m pytest -q -rs --durations=8 --timeout=80 -p no:cacheprovider \
+    tests/test_gpu_linear.py
+for backend in cudnn torch_varlen; do
+    run "calibrate_$backend" 45 python3 -m hf_distca.calibrate --backend "$backend" \
+        --out "$out/h200_bf16_32x8x128_$backend.json"
+done
