@@ -297,10 +297,11 @@ def test_resolve_backend_auto_and_explicit(fake_cuda):
         "none": "fla",
         "const": "fla",
         "scalar": "chunked",
-        "vector": "fla",
+        "vector": "chunked",  # correct in fla, but its first call did not finish in 4 minutes on the H200
         "delta": "chunked",
-        "kda": "fla",
+        "kda": "chunked",
     }
+    assert resolve_backend("fla", cuda, kind="vector") == "fla"  # asked for explicitly: it runs
     assert resolve_backend("auto", cuda) == "chunked"  # kind unknown: safe for every kind
     assert resolve_backend("chunked", cuda, kind="const") == "chunked"
     assert resolve_backend("reference", cuda, kind="delta") == "reference"
@@ -310,13 +311,13 @@ def test_resolve_backend_auto_and_explicit(fake_cuda):
     with pytest.raises(ValueError, match="Triton 3.6.0"):
         resolve_backend("fla", cuda, kind="scalar", dtype=torch.bfloat16)
     fake_cuda(HOPPER, "3.7.1")
-    assert resolve_backend("auto", cuda, kind="delta") == "fla"
+    assert {resolve_backend("auto", cuda, kind=kind) for kind in KINDS} == {"fla"}
     fake_cuda(HOPPER, "3.6.0", tilelang=True)
     assert resolve_backend("auto", cuda, kind="delta") == "fla"
     assert resolve_backend("auto", cuda, kind="scalar", dtype=torch.bfloat16) == "chunked"
     assert resolve_backend("auto", cuda, kind="scalar", dtype=torch.float32) == "fla"
     fake_cuda(AMPERE, "3.6.0")
-    assert resolve_backend("auto", cuda, kind="delta") == "fla"
+    assert {resolve_backend("auto", cuda, kind=kind) for kind in KINDS} == {"fla"}
     fake_cuda(AMPERE, "3.6.0", fla=False)
     assert resolve_backend("auto", cuda, kind="const") == "chunked"  # no fla: chunked on CUDA
 

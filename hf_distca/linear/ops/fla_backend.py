@@ -34,6 +34,8 @@ __all__ = [
     "FLA_KINDS",
     "fla_available",
     "fla_kind",
+    "fla_stalled_reason",
+    "fla_stalled_reason_on",
     "fla_unsafe_reason",
     "fla_unsafe_reason_on",
     "recurrence_fla",
@@ -100,6 +102,30 @@ def fla_unsafe_reason(
     )
 
 
+_STALLED = (
+    "vector",
+    "kda",
+)  # chunk_gla / chunk_kda: first call unfinished after 4 minutes on H200, Triton 3.6
+
+
+def fla_stalled_reason(
+    kind: str | None, *, capability: tuple[int, int] | None, triton_version: str, device_name: str = ""
+) -> str | None:
+    """Why ``backend='auto'`` leaves transition ``kind`` to 'chunked' although fla-core would compute it
+    correctly: on Hopper with Triton < 3.7.1 the first call of fla's per-key-dim kernels (chunk_gla,
+    chunk_kda) did not finish in 4 minutes (H200, Triton 3.6.0: benchmarks/results/linear_hopper_h200.md).
+    None elsewhere; an explicit ``backend='fla'`` still runs them."""
+    if kind not in _STALLED or capability is None:
+        return None
+    hopper = capability[0] == 9 or "NVIDIA H" in device_name
+    if not hopper or Version(triton_version) >= _TRITON_BROKEN[1]:
+        return None
+    return (
+        f"on Hopper with Triton {triton_version} (< 3.7.1) the first call of fla-core's kernel for {kind!r} "
+        "(chunk_gla / chunk_kda) did not finish within 4 minutes on an H200"
+    )
+
+
 @functools.cache
 def _cuda_facts(index: int) -> tuple[tuple[int, int] | None, str]:
     if torch.version.hip is not None:
@@ -130,6 +156,15 @@ def _tilelang_usable() -> bool:
     if os.environ.get("FLA_TILELANG") == "0" or os.environ.get("FLA_DISABLE_BACKEND_DISPATCH") == "1":
         return False
     return importlib.util.find_spec("tilelang") is not None and _has_usable_nvcc()
+
+
+def fla_stalled_reason_on(device: torch.device, kind: str | None) -> str | None:
+    """:func:`fla_stalled_reason` for this process's CUDA ``device`` and Triton (None off CUDA)."""
+    version = _triton_version() if device.type == "cuda" else None
+    if version is None:
+        return None
+    capability, name = _cuda_facts(device.index if device.index is not None else torch.cuda.current_device())
+    return fla_stalled_reason(kind, capability=capability, triton_version=version, device_name=name)
 
 
 def fla_unsafe_reason_on(

@@ -25,6 +25,7 @@ from hf_distca.linear.ops.fla_backend import (
     FLA_FIX,
     fla_available,
     fla_kind,
+    fla_stalled_reason_on,
     fla_unsafe_reason_on,
     recurrence_fla,
 )
@@ -48,7 +49,8 @@ def resolve_backend(
 
     ``kind``: the transition (one of ``fla_backend.FLA_KINDS``, see ``fla_kind``; None: any), ``dtype``:
     q's dtype. 'auto' is 'reference' off CUDA; on CUDA 'fla' when fla imports and is correct for ``kind``
-    on this device, else 'chunked'. An explicit 'fla' that would be wrong raises a ValueError.
+    on this device (``fla_unsafe_reason``) and its kernel is known to start there (``fla_stalled_reason``),
+    else 'chunked'. An explicit 'fla' that would be wrong raises a ValueError.
     """
     if backend not in LINEAR_BACKENDS:
         raise ValueError(f"linear-attention backend must be one of {LINEAR_BACKENDS}, got {backend!r}")
@@ -56,7 +58,7 @@ def resolve_backend(
         return "reference" if backend == "auto" else backend
     if backend == "auto":
         safe = fla_available() and fla_unsafe_reason_on(device, kind, dtype) is None
-        return "fla" if safe else "chunked"
+        return "fla" if safe and fla_stalled_reason_on(device, kind) is None else "chunked"
     if backend == "fla":
         reason = fla_unsafe_reason_on(device, kind, dtype)
         if reason is not None:
