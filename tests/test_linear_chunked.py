@@ -293,14 +293,8 @@ def test_resolve_backend_auto_and_explicit(fake_cuda):
     assert resolve_backend("fla", cpu) == "fla"  # recurrence_fla itself refuses CPU tensors
     cuda = fake_cuda(HOPPER, "3.6.0")  # the H200 of issue 15: Triton 3.6 (torch 2.11), no tilelang
     chosen = {kind: resolve_backend("auto", cuda, kind=kind) for kind in KINDS}
-    assert chosen == {
-        "none": "fla",
-        "const": "fla",
-        "scalar": "chunked",
-        "vector": "chunked",  # correct in fla, but its first call did not finish in 4 minutes on the H200
-        "delta": "chunked",
-        "kda": "chunked",
-    }
+    # scalar, delta: fla is wrong there; the others: correct, but fla's first call takes minutes on the H200
+    assert chosen == dict.fromkeys(KINDS, "chunked")
     assert resolve_backend("fla", cuda, kind="vector") == "fla"  # asked for explicitly: it runs
     assert resolve_backend("auto", cuda) == "chunked"  # kind unknown: safe for every kind
     assert resolve_backend("chunked", cuda, kind="const") == "chunked"
@@ -324,7 +318,7 @@ def test_resolve_backend_auto_and_explicit(fake_cuda):
 
 def test_model_preparation_picks_the_backend(fake_cuda):
     """enable_linear_attention_sp decides for the current CUDA device: 'auto' -> chunked for the gated
-    DeltaNet on the H200 + Triton 3.6, fla for MiniMax's constant decay; an explicit 'fla' that would be
+    DeltaNet on the H200 + Triton 3.6, explicit fla for MiniMax's constant decay; an explicit 'fla' that would be
     wrong raises before any module is replaced."""
     from all_scan_cases import tiny_minimax, tiny_qwen3_next
 

@@ -102,27 +102,30 @@ def fla_unsafe_reason(
     )
 
 
-_STALLED = (
+_SLOW_START = (
+    "none",
+    "const",
     "vector",
     "kda",
-)  # chunk_gla / chunk_kda: first call unfinished after 4 minutes on H200, Triton 3.6
+)  # the kinds fla computes correctly on Hopper + Triton < 3.7.1
 
 
 def fla_stalled_reason(
     kind: str | None, *, capability: tuple[int, int] | None, triton_version: str, device_name: str = ""
 ) -> str | None:
     """Why ``backend='auto'`` leaves transition ``kind`` to 'chunked' although fla-core would compute it
-    correctly: on Hopper with Triton < 3.7.1 the first call of fla's per-key-dim kernels (chunk_gla,
-    chunk_kda) did not finish in 4 minutes (H200, Triton 3.6.0: benchmarks/results/linear_hopper_h200.md).
-    None elsewhere; an explicit ``backend='fla'`` still runs them."""
-    if kind not in _STALLED or capability is None:
+    correctly: on Hopper with Triton < 3.7.1 the first call of fla's kernels takes minutes (H200, Triton
+    3.6.0, small shapes: chunk_simple_gla's first forward+backward over 150 s, chunk_gla's unfinished after
+    4 minutes; benchmarks/results/linear_hopper_h200.md), and fla's other kernels are wrong there
+    (:func:`fla_unsafe_reason`). None elsewhere; an explicit ``backend='fla'`` still runs these kinds."""
+    if kind not in _SLOW_START or capability is None:
         return None
     hopper = capability[0] == 9 or "NVIDIA H" in device_name
     if not hopper or Version(triton_version) >= _TRITON_BROKEN[1]:
         return None
     return (
         f"on Hopper with Triton {triton_version} (< 3.7.1) the first call of fla-core's kernel for {kind!r} "
-        "(chunk_gla / chunk_kda) did not finish within 4 minutes on an H200"
+        "takes minutes (on an H200: over 150 s for chunk_simple_gla, over 4 minutes for chunk_gla)"
     )
 
 
