@@ -28,6 +28,7 @@ from hf_distca.config import DistCAConfig
 from hf_distca.data.loader import DistCABatches, DistCADataLoader, TokenDocuments
 from hf_distca.data.rebatch import LayoutFn, layout_balanced, layout_pieces
 from hf_distca.features import layer_windows
+from hf_distca.planning import forward_flops_per_pair
 from hf_distca.validation import (
     attention_server_group,
     check_launch,
@@ -219,7 +220,7 @@ class DistCACallback(TrainerCallback):
         head_dim = getattr(cfg, "head_dim", None) or (getattr(cfg, "hidden_size", 0) // max(heads, 1))
         self._layers = getattr(cfg, "num_hidden_layers", 0) or 0
         self._windows = layer_windows(cfg) if cfg is not None else []
-        self._flops_per_pair = 4.0 * heads * head_dim
+        self._flops_per_pair = forward_flops_per_pair(heads, head_dim)
         self.records, self._unlogged = [], []
         if args.process_index == 0 and self.metrics_file:
             self._start_metrics_file(args, state.global_step)

@@ -67,10 +67,12 @@ def all_to_all_v(
     group: Any,
     *,
     async_op: bool = False,
+    phase: str | None = None,
 ) -> Exchange:
     """Send ``send_splits[r]`` elements of the 1-D buffer ``send`` to rank r of ``group`` and receive
     ``recv_splits[r]`` elements from it (in rank order). Every rank of the group must call it with
-    matching splits. Not differentiable."""
+    matching splits. Not differentiable. ``phase``: the name its bytes are counted under in
+    :mod:`hf_distca.metrics` (the engine's phases of the traffic ledger)."""
     if send.dim() != 1:
         raise ValueError(f"all_to_all_v sends a flat buffer, got shape {tuple(send.shape)}")
     if sum(send_splits) != send.numel():
@@ -78,7 +80,7 @@ def all_to_all_v(
             f"send splits sum to {sum(send_splits)} but the buffer holds {send.numel()} elements"
         )
     if _signal_only:
-        return _signal(send, recv_splits, group, async_op)
+        return _signal(send, recv_splits, group, async_op, phase)
     send = send.contiguous()
     recv = send.new_empty(sum(recv_splits))
     work = dist.all_to_all_single(
@@ -89,17 +91,18 @@ def all_to_all_v(
         group=group,
         async_op=async_op,
     )
-    metrics.record_bytes_sent(sum(send_splits) * send.element_size())
-    metrics.record_bytes_received(sum(recv_splits) * send.element_size())
+    elem = send.element_size()
+    metrics.record_bytes(sum(send_splits) * elem, sum(recv_splits) * elem, phase)
     return Exchange(recv=recv, send=send, work=work if async_op else None)
 
 
-def _signal(send: torch.Tensor, recv_splits: list[int], group: Any, async_op: bool) -> Exchange:
+def _signal(
+    send: torch.Tensor, recv_splits: list[int], group: Any, async_op: bool, phase: str | None
+) -> Exchange:
     """One byte to and from every rank (see :func:`signal_only`); the received payload reads as zeros."""
     world = len(recv_splits)
     flags = torch.zeros(2 * world, dtype=torch.uint8, device=send.device)  # [sent | received]
     work = dist.all_to_all_single(flags[world:], flags[:world], group=group, async_op=async_op)
-    metrics.record_bytes_sent(world)
-    metrics.record_bytes_received(world)
+    metrics.record_bytes(world, world, phase)
     recv = send.new_zeros(sum(recv_splits))
     return Exchange(recv=recv, send=flags, work=work if async_op else None)

@@ -21,12 +21,14 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from engine_bytes import nonzero, phase_counts
 from tolerances import TOL
 from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, LlamaConfig
 
 import hf_distca
-from hf_distca import DistCAConfig, enable_distca, metrics
+from hf_distca import DistCAConfig, enable_distca, metrics, plan_core_attention
 from hf_distca.checkpointing import remat_checkpointing_kwargs, remat_context_fn
+from hf_distca.planning import traffic
 
 MODES = ("none", "recompute", "remat")
 LAYERS = 2
@@ -239,6 +241,18 @@ def check_remat_case(per_rank: list[dict], world: int) -> None:
     assert moved  # documents cut over ranks: the engine really communicated
     for runs in per_rank[1:]:  # every rank got the same summed loss
         assert runs["remat"]["loss"] == per_rank[0]["remat"]["loss"]
+    # phase by phase, every mode's bytes are the traffic ledger's for the plan of every layer: the forward
+    # phases once per layer (twice with plain recompute), the backward phases once
+    plan = plan_core_attention(
+        PIECES[world], q_row_bytes=4 * 16 * 4, kv_row_bytes=2 * 2 * 16 * 4,
+        config=DistCAConfig(shard_tokens=8, tolerance=0.0),
+    )  # fmt: skip  # tiny_llama in fp32: 4 query and 2 KV heads of 16
+    ledger = traffic.plan_bytes(plan)
+    forwards = {"none": LAYERS, "recompute": 2 * LAYERS, "remat": LAYERS}
+    for rank, runs in enumerate(per_rank):
+        for mode in MODES:
+            want = phase_counts(ledger, rank, forwards[mode], LAYERS)
+            assert nonzero(runs[mode]["stats"].phase_bytes) == want, (world, rank, mode)
 
 
 # ------------------------------------------------------------------------------- the Trainer path

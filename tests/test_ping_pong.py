@@ -32,6 +32,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_distributed
+from engine_bytes import exchange_bytes, nonzero, phase_counts
 from oracle import TOL, Layout, assert_close, named_layouts, oracle_with_grads, random_qkv
 from test_engine_remat import (
     LAYERS,
@@ -56,7 +57,7 @@ from hf_distca.comm import signal_only
 from hf_distca.engine.nano import BALANCE, DUPLICATE_GAP, nano_batches, split_server_tasks
 from hf_distca.engine.prepare import PreparedAttention
 from hf_distca.kernels import reference_varlen_attention
-from hf_distca.planning import CATask, DocIndex, build_dispatch_index, causal_pairs
+from hf_distca.planning import CATask, DocIndex, build_dispatch_index, causal_pairs, traffic
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 D = 8
@@ -247,6 +248,7 @@ def _parts(prep, rank: int, cfg: DistCAConfig) -> list[dict]:
             "tasks": part.plan.tasks, "sent": part.plan.bytes_sent[rank], "received": part.plan.bytes_received[rank],
             "q_out": sum(ix.send_q_counts), "kv_out": sum(ix.send_kv_counts),
             "q_in": sum(ix.recv_q_counts), "kv_in": sum(ix.recv_kv_counts), "communicates": part.communicates,
+            "ledger": traffic.plan_bytes(part.plan),
         })  # fmt: skip
     return parts
 
@@ -393,9 +395,14 @@ def _check_attention(case: dict, per_rank: list[dict], world: int) -> dict:
         assert fwd.bytes_sent == sum(p["sent"] for p in parts), label
         assert fwd.bytes_received == sum(p["received"] for p in parts), label
         bwd_sent = sum(
-            (3 * p["q_out"] + p["q_in"]) * q_row + (p["kv_out"] + p["kv_in"]) * kv_row for p in parts
+            exchange_bytes(p["q_out"], p["kv_out"], p["q_in"], p["kv_in"], q_row, kv_row)["bwd_sent"]
+            for p in parts
         )
         assert total.bytes_sent == fwd.bytes_sent + bwd_sent, label
+        # phase by phase, the measured bytes are the ledger's over the nano-batch plans
+        ledger = sum(p["ledger"] for p in parts)
+        assert nonzero(fwd.phase_bytes) == phase_counts(ledger, rank, 1, 0), label
+        assert nonzero(total.phase_bytes) == phase_counts(ledger, rank, 1, 1), label
         # query rows are partitioned: the same query bytes as without ping-pong; KV rows at least as many,
         # and exactly as many with the local_first split (no KV row goes to a server twice)
         serial_fwd = serial["forward"].bytes_sent

@@ -51,7 +51,15 @@ import torch
 
 from hf_distca.config import PING_PONG_SPLITS
 from hf_distca.engine.prepare import PreparedAttention
-from hf_distca.planning import CATask, CorePlan, DispatchIndex, DocIndex, build_dispatch_index
+from hf_distca.planning import (
+    CATask,
+    CorePlan,
+    DispatchIndex,
+    DocIndex,
+    build_dispatch_index,
+    forward_flops_per_pair,
+)
+from hf_distca.planning.traffic import PHASES, forward_bytes, phase_bytes
 from hf_distca.planning.window import Ranges, attended_pairs, kv_ranges, kv_start
 
 __all__ = ["BALANCE", "DUPLICATE_GAP", "NanoSplit", "nano_batches", "split_server_tasks"]
@@ -109,7 +117,7 @@ def nano_batches(prepared: PreparedAttention, shard_tokens: int, split: str = "l
         )
         index, own_rows = _nano_index(plan, with_parking, tasks, others, rank)
         nano_plan = _nano_plan(plan, tasks)
-        flops_per_pair = 4.0 * prepared.q_heads * prepared.head_dim
+        flops_per_pair = forward_flops_per_pair(prepared.q_heads, prepared.head_dim)
         flops = [x * flops_per_pair for x in nano_plan.pairs_after]
         parts.append(
             PreparedAttention(
@@ -243,14 +251,16 @@ def _best_cut(
 def _inbound_bytes(
     tasks: list[CATask], server: int, index: DocIndex, q_row_bytes: int, kv_row_bytes: int, window: int | None
 ) -> int:
-    """Bytes ``server`` receives in a dispatch of ``tasks``: query rows and key rows held elsewhere."""
+    """Bytes ``server`` receives in the forward dispatch of ``tasks`` (the traffic ledger's): query rows
+    and key rows held elsewhere."""
     q_rows = sum(t.q_len - index.count_held_by(t.doc_id, t.q_start, t.q_end, server) for t in tasks)
     kv_rows = sum(
         (hi - lo) - index.count_held_by(doc, lo, hi, server)
         for doc, ranges in _kv_ranges(tasks, window).items()
         for lo, hi in ranges
     )
-    return q_rows * q_row_bytes + kv_rows * kv_row_bytes
+    columns = np.array([0, 0, q_rows * q_row_bytes, kv_rows * kv_row_bytes])  # Q_OUT, KV_OUT, Q_IN, KV_IN
+    return int(phase_bytes(columns)[PHASES.index("fwd.dispatch"), 1])
 
 
 def _head_cut(
@@ -293,16 +303,11 @@ def _nano_plan(plan: CorePlan, tasks: list[list[CATask]]) -> CorePlan:
     those tasks)."""
     kv = [_kv_ranges(ts, plan.window) for ts in tasks]
     pairs = [sum(attended_pairs(t.q_start, t.q_end, plan.window) for t in ts) for ts in tasks]
-    sent, received = _traffic(plan.index, tasks, kv, plan.q_row_bytes, plan.kv_row_bytes)
-    return dataclasses.replace(
-        plan,
-        tasks=tasks,
-        kv_ranges=kv,
-        load_after=[float(p) for p in pairs],
-        pairs_after=pairs,
-        bytes_sent=sent,
-        bytes_received=received,
+    nano = dataclasses.replace(
+        plan, tasks=tasks, kv_ranges=kv, load_after=[float(p) for p in pairs], pairs_after=pairs
     )
+    nano.bytes_sent, nano.bytes_received = forward_bytes(nano)
+    return nano
 
 
 def _kv_ranges(tasks: list[CATask], window: int | None) -> dict[int, Ranges]:
@@ -311,29 +316,6 @@ def _kv_ranges(tasks: list[CATask], window: int | None) -> dict[int, Ranges]:
     for t in sorted(tasks):
         by_doc.setdefault(t.doc_id, []).append((t.q_start, t.q_end))
     return {doc: kv_ranges(ivs, window) for doc, ivs in by_doc.items()}
-
-
-def _traffic(
-    index: DocIndex, tasks: list[list[CATask]], kv: list[dict[int, Ranges]], q_row: int, kv_row: int
-) -> tuple[list[int], list[int]]:
-    """Bytes each rank sends and receives in one forward of these tasks (Q out, outputs back, KV out)."""
-    world = len(tasks)
-    sent, received = [0] * world, [0] * world
-    for server in range(world):
-        for t in tasks[server]:
-            for holder, _, n in index.segments(t.doc_id, t.q_start, t.q_end):
-                if holder != server:
-                    sent[holder] += n * q_row
-                    received[server] += n * q_row
-                    sent[server] += n * q_row
-                    received[holder] += n * q_row
-        for doc, ranges in kv[server].items():
-            for lo, hi in ranges:
-                for holder, _, n in index.segments(doc, lo, hi):
-                    if holder != server:
-                        sent[holder] += n * kv_row
-                        received[server] += n * kv_row
-    return sent, received
 
 
 def _nano_index(

@@ -27,13 +27,11 @@ Transient, within one stage: the server's pools (its rows plus the received ones
 copies (a KV prefix read by two tasks twice); in backward the same for q, out, dout, k, v, plus float32
 dk/dv accumulators for bf16/fp16 inputs.
 
-Bytes per layer sent by one rank, with Q = its query rows sent to other servers x Hq x D x b (outputs,
-output gradients and dq have the same size), KV = its KV-prefix rows sent x Hkv x D x b (each of k and
-v), and Q', KV' the same for the rows it serves for other ranks: forward Q + 2 KV (dispatch) and Q'
-(return); backward 3 Q + 2 KV (q, out, dout, k, v re-sent) and Q' + 2 KV' (dq, dk, dv home). Summed
-over ranks (sum Q = sum Q', sum KV = sum KV') that is 6 Q + 6 KV per layer: what plain activation
-recompute cost with an engine that kept the received rows until backward, and one forward (Q + 2 KV +
-Q') less than plain recompute with this engine. Rematerialization-aware checkpointing adds nothing.
+Bytes per layer: what each of the four exchanges carries is written once, in the traffic ledger
+(:mod:`hf_distca.planning.traffic`: q, k, v out and the outputs back in forward; q, out, dout, k, v out
+and dq, dk, dv back in backward). Summed over ranks that is what plain activation recompute cost with an
+engine that kept the received rows until backward, and one forward's exchanges less than plain recompute
+with this engine. Rematerialization-aware checkpointing adds nothing.
 Ping-pong sends the same Q rows, outputs and gradients, and a KV row once per nano-batch that reads
 it: the same bytes with the default split; with ``ping_pong_split="halves"`` more only for a document
 whose tasks on one server are cut between the two nano-batches (see :mod:`.nano`). The server's

@@ -44,6 +44,7 @@ from hf_distca.planning import (
     attention_flops_per_pair,
     build_dispatch_index,
     cost_model_from_config,
+    forward_flops_per_pair,
     plan_core_attention,
 )
 
@@ -252,7 +253,7 @@ def _planned(
     )
     index = build_dispatch_index(plan, rank)
     metrics.record_plan(time.perf_counter() - t0)
-    flops_per_pair = 4.0 * q_heads * head_dim
+    flops_per_pair = forward_flops_per_pair(q_heads, head_dim)
     prepared = PreparedAttention(
         plan=plan,
         index=index,

@@ -1,22 +1,11 @@
 """The link model: what a plan's all-to-alls cost in time, and the step's critical path the planner lowers.
 
-The engine runs four all-to-all-v phases per layer of a training step (see :mod:`hf_distca.engine.op`):
-forward dispatch (q, k, v from holders to servers), forward return (outputs home), backward dispatch
-(q, out, dout, k, v) and backward return (dq, dk, dv home). With Q / KV a rank's query / KV-prefix bytes
-of one forward dispatch (``q_row_bytes`` / ``kv_row_bytes`` per row), "out" what it sends as a holder
-and "in" what it receives as a server, the bytes of one rank in each phase are
-
-    phase              sends                   receives
-    forward dispatch   Q_out + KV_out          Q_in + KV_in
-    forward return     Q_in                    Q_out
-    backward dispatch  3 Q_out + KV_out        3 Q_in + KV_in
-    backward return    Q_in + KV_in            Q_out + KV_out
-
-A rank sends and receives at once, and its traffic inside its node and across nodes moves at once, so
-a rank's time in a phase is the largest of (bytes sent or received on a link class) / (that class's
-bandwidth). Every collective is a barrier: a phase lasts as long as its slowest rank, and the kernel
-between two phases as long as its slowest server. The planner's objective, one layer of a training step
-(forward + backward), is therefore
+The bytes of every rank in each of the engine's four all-to-all phases come from the traffic ledger
+(:mod:`hf_distca.planning.traffic`). A rank sends and receives at once, and its traffic inside its node and
+across nodes moves at once, so a rank's time in a phase is the largest of (bytes sent or received on a link
+class) / (that class's bandwidth). Every collective is a barrier: a phase lasts as long as its slowest rank,
+and the kernel between two phases as long as its slowest server. The planner's objective, one layer of a
+training step (forward + backward), is therefore
 
     critical path = max over servers of compute + (1 - overlap) x sum over phases of max over ranks of
                     the rank's phase time
@@ -35,22 +24,24 @@ from typing import Any
 
 import numpy as np
 
-from hf_distca.planning.cost import CausalPairsCost, MeasuredCost
+from hf_distca.planning.cost import (
+    FWD_BWD_FLOP_RATIO,
+    CausalPairsCost,
+    MeasuredCost,
+    attention_flops_per_pair,
+)
+from hf_distca.planning.traffic import distinct_phases, link_classes, plan_traffic
 
-FWD_BWD_FLOP_RATIO = 3.5
-"""Forward+backward over forward FLOPs of attention: forward 2 matmuls (4 FLOPs per pair and head
-dimension), backward 5 (10)."""
+__all__ = [
+    "FWD_BWD_FLOP_RATIO",
+    "LinkModel",
+    "attention_flops_per_pair",
+    "link_model_from_config",
+    "plan_critical_path",
+    "seconds_per_cost_unit",
+]
 
 GIB = 2**30
-
-# columns of the per-rank, per-link-class byte counts
-Q_OUT, KV_OUT, Q_IN, KV_IN = range(4)
-INTRA, INTER = 0, 1
-
-
-def attention_flops_per_pair(q_heads: int, head_dim: int) -> float:
-    """Forward+backward FLOPs of one causal (query, key) pair: 4 x heads x head_dim forward, x 3.5."""
-    return 4.0 * q_heads * head_dim * FWD_BWD_FLOP_RATIO
 
 
 @dataclass(frozen=True)
@@ -70,10 +61,8 @@ class LinkModel:
     """Seconds of one layer's forward+backward core attention per unit of the cost model."""
 
     def link_class(self, a: int, b: int) -> int:
-        """INTRA when ranks ``a`` and ``b`` share a node, else INTER (INTER for every pair without a topology)."""
-        if self.ranks_per_node is not None and a // self.ranks_per_node == b // self.ranks_per_node:
-            return INTRA
-        return INTER
+        """The link class of ranks ``a`` and ``b`` (:func:`~hf_distca.planning.traffic.link_classes`)."""
+        return link_classes(a, b, self.ranks_per_node)
 
     @property
     def inverse_bandwidth(self) -> np.ndarray:
@@ -81,28 +70,23 @@ class LinkModel:
         return np.array([1.0 / self.intra_bytes_per_s, 1.0 / self.inter_bytes_per_s])
 
     def phase_seconds(self, traffic: np.ndarray) -> np.ndarray:
-        """Per rank, seconds of its three distinct phases: [dispatch (= backward return), forward return,
-        backward dispatch], from ``traffic`` (ranks, 2 link classes, 4 columns Q_OUT, KV_OUT, Q_IN, KV_IN) in
-        bytes; shape (ranks, 3)."""
-        q_out, kv_out = traffic[..., Q_OUT], traffic[..., KV_OUT]
-        q_in, kv_in = traffic[..., Q_IN], traffic[..., KV_IN]
-        by_class = np.stack(
-            [
-                np.maximum(q_out + kv_out, q_in + kv_in),
-                np.maximum(q_in, q_out),
-                np.maximum(3 * q_out + kv_out, 3 * q_in + kv_in),
-            ],
-            axis=-1,
-        )  # (ranks, 2, 3) bytes
-        return (by_class * self.inverse_bandwidth[:, None]).max(axis=-2)  # (ranks, 3)
+        """Per rank, seconds of each of the ledger's distinct phases
+        (:func:`~hf_distca.planning.traffic.distinct_phases`) from ``traffic`` (ranks, 2 link classes, 4
+        columns Q_OUT, KV_OUT, Q_IN, KV_IN) in bytes; shape (ranks, phases)."""
+        send, recv, _ = distinct_phases()  # (k, 4) each
+        by_class = np.maximum(traffic @ send.T, traffic @ recv.T)  # (ranks, 2, k) bytes
+        return (by_class * self.inverse_bandwidth[:, None]).max(axis=-2)  # (ranks, k)
 
     def comm_seconds(self, phase_seconds: np.ndarray) -> float:
         """One layer's all-to-all time (forward + backward): every phase lasts as long as its slowest rank;
-        the dispatch column counts twice (forward dispatch and backward return move the same bytes)."""
+        a distinct phase counts as often as the ledger runs it."""
         if phase_seconds.size == 0:
             return 0.0
-        slowest = phase_seconds.max(axis=0)  # (3,)
-        return float(2.0 * slowest[0] + slowest[1] + slowest[2])
+        slowest = phase_seconds.max(axis=0)  # (k,)
+        total = 0.0
+        for count, seconds in zip(distinct_phases()[2], slowest, strict=True):
+            total += float(count) * seconds
+        return float(total)
 
     def critical_path(self, max_cost: float, comm_seconds: float) -> float:
         """Seconds of one layer's core attention on the critical path: the slowest server's compute plus
@@ -150,64 +134,9 @@ def link_model_from_config(config: Any, cost_model: Any, flops_per_pair: float |
     )
 
 
-def add_bytes(
-    table: np.ndarray, ranks: np.ndarray, link_class: np.ndarray, column: int, nbytes: np.ndarray
-) -> None:
-    """``table[rank, link class, column] += bytes`` for every entry (repeats add up): a (ranks, 2, 4) table."""
-    flat = (ranks * 2 + link_class) * 4 + column
-    table += np.bincount(flat, weights=nbytes, minlength=table.size).reshape(table.shape)
-
-
-def plan_rows(plan: Any) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
-    """The rows a :class:`~hf_distca.planning.CorePlan` moves in one forward dispatch, as (holder, server, rows) arrays with holder !=
-    server: query rows of every task, and the key rows of every server's key ranges (each once; the KV
-    prefixes without a sliding window)."""
-    docs, starts, ends, servers = [], [], [], []
-    for server, tasks in enumerate(plan.tasks):
-        for t in tasks:
-            docs.append(t.doc_id)
-            starts.append(t.q_start)
-            ends.append(t.q_end)
-            servers.append(server)
-    kv_docs, kv_starts, kv_ends, kv_servers = [], [], [], []
-    for server, per_doc in enumerate(plan.kv_ranges):
-        for doc, ranges in per_doc.items():
-            for lo, hi in ranges:
-                kv_docs.append(doc)
-                kv_starts.append(lo)
-                kv_ends.append(hi)
-                kv_servers.append(server)
-    out = []
-    for d, a, b, srv in ((docs, starts, ends, servers), (kv_docs, kv_starts, kv_ends, kv_servers)):
-        request, holder, rows = plan.index.segment_rows(d, a, b)
-        server = np.asarray(srv, dtype=np.int64)[request]
-        remote = holder != server
-        out.append((holder[remote], server[remote], rows[remote]))
-    return out[0], out[1]
-
-
-def plan_traffic(plan: Any, link: LinkModel) -> np.ndarray:
-    """Bytes of one forward dispatch per rank and link class, (ranks, 2, 4) with columns Q_OUT, KV_OUT,
-    Q_IN, KV_IN, recomputed from a :class:`~hf_distca.planning.CorePlan`'s tasks and KV prefixes."""
-    traffic = np.zeros((plan.world_size, 2, 4))
-    rows = plan_rows(plan)
-    for (holder, server, n), row_bytes, out_col, in_col in (
-        (rows[0], plan.q_row_bytes, Q_OUT, Q_IN),
-        (rows[1], plan.kv_row_bytes, KV_OUT, KV_IN),
-    ):
-        if link.ranks_per_node is None:
-            link_class = np.full(holder.shape, INTER)
-        else:
-            same = holder // link.ranks_per_node == server // link.ranks_per_node
-            link_class = np.where(same, INTRA, INTER)
-        add_bytes(traffic, holder, link_class, out_col, n * row_bytes)
-        add_bytes(traffic, server, link_class, in_col, n * row_bytes)
-    return traffic
-
-
 def plan_critical_path(plan: Any, link: LinkModel, loads: Any = None) -> float:
     """Seconds of one layer's core attention on the critical path under ``plan`` (``loads``: per server
     cost, default the plan's ``load_after``)."""
     loads = plan.load_after if loads is None else loads
-    comm = link.comm_seconds(link.phase_seconds(plan_traffic(plan, link)))
+    comm = link.comm_seconds(link.phase_seconds(plan_traffic(plan, link.ranks_per_node)))
     return link.critical_path(max(loads, default=0.0), comm)

@@ -37,20 +37,22 @@ import numpy as np
 
 from hf_distca.config import DistCAConfig
 from hf_distca.planning.cost import CausalPairsCost
-from hf_distca.planning.links import (
+from hf_distca.planning.links import LinkModel, link_model_from_config, plan_critical_path
+from hf_distca.planning.pieces import DocIndex
+from hf_distca.planning.traffic import (
     INTER,
     INTRA,
     KV_IN,
     KV_OUT,
     Q_IN,
     Q_OUT,
-    LinkModel,
     add_bytes,
-    link_model_from_config,
-    plan_critical_path,
-    plan_rows,
+    distinct_phases,
+    forward_bytes,
+    forward_phases,
+    link_classes,
+    send_weights,
 )
-from hf_distca.planning.pieces import DocIndex
 from hf_distca.planning.window import (
     Ranges,
     as_window,
@@ -242,15 +244,25 @@ class _Traffic:
         self.link = link
         self.world = world
         self.inverse = tuple(float(x) for x in link.inverse_bandwidth)
+        # the ledger's distinct phases: per phase, (column, weight) terms of what a rank sends / receives
+        send, recv, counts = distinct_phases()
+        self.send_matrix, self.recv_matrix = send.astype(np.float64), recv.astype(np.float64)  # (k, 4)
+        self.terms = [
+            tuple(tuple((j, float(w)) for j, w in enumerate(row) if w) for row in (send[d], recv[d]))
+            for d in range(len(counts))
+        ]
+        self.counts = [float(c) for c in counts]
+        self.forward_send = send_weights()[forward_phases()].sum(axis=0).astype(np.float64)  # (4,)
+        self.forward_terms = tuple((j, float(w)) for j, w in enumerate(self.forward_send) if w)
         self.bytes = [[[0.0] * 4 for _ in range(2)] for _ in range(world)]
         self.array = np.zeros((world, 2, 4))  # the same bytes, for pricing moves that touch many ranks
-        self.phase = np.zeros((world, 3))
-        self.top: list[list[tuple[float, int]]] = [[] for _ in range(3)]
+        self.phase = np.zeros((world, len(counts)))
+        self.top: list[list[tuple[float, int]]] = [[] for _ in counts]
         self.now = 0.0  # comm_seconds() of the current bytes
 
     def clone(self) -> _Traffic:
         other = object.__new__(_Traffic)
-        other.link, other.world, other.inverse = self.link, self.world, self.inverse
+        other.__dict__.update(self.__dict__)  # the link model and the ledger's terms are shared
         other.bytes = list(self.bytes)  # apply() replaces a rank's rows, never edits them
         other.array = self.array.copy()
         other.phase = self.phase.copy()
@@ -258,18 +270,22 @@ class _Traffic:
         other.now = self.now
         return other
 
-    def rank_phases(self, b: list[list[float]]) -> tuple[float, float, float]:
-        """Seconds of a rank's three distinct phases from its bytes (as ``LinkModel.phase_seconds``)."""
-        p1 = p2 = p3 = 0.0
+    def rank_phases(self, b: list[list[float]]) -> list[float]:
+        """Seconds of a rank's distinct phases from its bytes (as ``LinkModel.phase_seconds``)."""
+        out = [0.0] * len(self.terms)
         for c in (INTRA, INTER):
             w = self.inverse[c]
             if w == 0.0:
                 continue
-            q_out, kv_out, q_in, kv_in = b[c]
-            p1 = max(p1, max(q_out + kv_out, q_in + kv_in) * w)
-            p2 = max(p2, max(q_in, q_out) * w)
-            p3 = max(p3, max(3 * q_out + kv_out, 3 * q_in + kv_in) * w)
-        return p1, p2, p3
+            row = b[c]
+            for d, (send, recv) in enumerate(self.terms):
+                s = r = 0.0
+                for j, x in send:
+                    s += x * row[j]
+                for j, x in recv:
+                    r += x * row[j]
+                out[d] = max(out[d], max(s, r) * w)
+        return out
 
     def after(self, changes: Changes) -> dict[int, list[list[float]]]:
         """The new bytes of every rank ``changes`` touches."""
@@ -280,21 +296,19 @@ class _Traffic:
         return out
 
     def sent(self, b: list[list[float]]) -> float:
-        """Bytes a rank sends in one forward call: Q and KV out as a holder, outputs back as a server."""
-        return (
-            b[INTRA][Q_OUT]
-            + b[INTRA][KV_OUT]
-            + b[INTRA][Q_IN]
-            + b[INTER][Q_OUT]
-            + b[INTER][KV_OUT]
-            + b[INTER][Q_IN]
-        )
+        """Bytes a rank sends in one forward call (the ledger's forward phases)."""
+        total = 0.0
+        for c in (INTRA, INTER):
+            row = b[c]
+            for j, x in self.forward_terms:
+                total += x * row[j]
+        return total
 
-    def comm_seconds(self, new_phases: dict[int, tuple[float, float, float]] | None = None) -> float:
+    def comm_seconds(self, new_phases: dict[int, list[float]] | None = None) -> float:
         """One layer's all-to-all seconds now, or with the ranks of ``new_phases`` at those phase times."""
         new_phases = new_phases or {}
         total = 0.0
-        for p, weight in ((0, 2.0), (1, 1.0), (2, 1.0)):
+        for p, weight in enumerate(self.counts):
             slowest = max((v[p] for v in new_phases.values()), default=0.0)
             rest = None
             for value, r in self.top[p]:
@@ -320,25 +334,19 @@ class _Traffic:
         old = self.array[rows]  # (k, 2, 4)
         new = old + np.array([changes[r] for r in ranks], dtype=np.float64)
         if bound is not None:
-            sent_new, sent_old = (
-                b[:, INTRA, Q_OUT] + b[:, INTRA, KV_OUT] + b[:, INTRA, Q_IN] + b[:, INTER, Q_OUT]
-                + b[:, INTER, KV_OUT] + b[:, INTER, Q_IN]
-                for b in (new, old)
-            )  # fmt: skip
+            sent_new, sent_old = ((b @ self.forward_send).sum(axis=1) for b in (new, old))  # (n,) each
             if np.any((sent_new > bound) & (sent_new > sent_old)):
                 return None
-        phases = np.zeros((len(ranks), 3))
+        phases = np.zeros((len(ranks), len(self.counts)))
         for c in (INTRA, INTER):
             w = self.inverse[c]
             if w == 0.0:
                 continue
-            q_out, kv_out, q_in, kv_in = (new[:, c, j] for j in range(4))
-            phases[:, 0] = np.maximum(phases[:, 0], np.maximum(q_out + kv_out, q_in + kv_in) * w)
-            phases[:, 1] = np.maximum(phases[:, 1], np.maximum(q_in, q_out) * w)
-            phases[:, 2] = np.maximum(phases[:, 2], np.maximum(3 * q_out + kv_out, 3 * q_in + kv_in) * w)
+            by_phase = np.maximum(new[:, c] @ self.send_matrix.T, new[:, c] @ self.recv_matrix.T)  # (n, k)
+            phases = np.maximum(phases, by_phase * w)
         touched = set(ranks)
         total = 0.0
-        for p, weight in ((0, 2.0), (1, 1.0), (2, 1.0)):
+        for p, weight in enumerate(self.counts):
             slowest = float(phases[:, p].max())
             rest = None
             for value, r in self.top[p]:
@@ -362,7 +370,7 @@ class _Traffic:
 
     def _refresh_top(self) -> None:
         k = min(self.TOP, self.world)
-        for p in range(3):
+        for p in range(len(self.counts)):
             column = self.phase[:, p]
             ranks = np.argpartition(-column, k - 1)[:k] if k < self.world else np.arange(self.world)
             self.top[p] = sorted(((float(column[r]), int(r)) for r in ranks), reverse=True)
@@ -441,10 +449,7 @@ class _Balancer:
         remote = holder != server
         holder, server, kv_bytes = holder[remote], server[remote], rows[remote] * self.kv_row
         per = self.link.ranks_per_node if self.link is not None else None
-        if per is None:
-            link_class = np.full(holder.shape, INTER)
-        else:
-            link_class = np.where(holder // per == server // per, INTRA, INTER)
+        link_class = link_classes(holder, server, per)
         total = np.zeros((self.index.world_size, 2, 4))  # rank x link class x column
         add_bytes(total, holder, link_class, KV_OUT, kv_bytes)
         add_bytes(total, server, link_class, KV_IN, kv_bytes)
@@ -486,7 +491,7 @@ class _Balancer:
         return rank // per if per else 0
 
     def link_class(self, a: int, b: int) -> int:
-        return self.link.link_class(a, b) if self.link is not None else INTER
+        return link_classes(a, b, self.link.ranks_per_node) if self.link is not None else INTER
 
     def _add(
         self, changes: Changes, holder: int, server: int, col_out: int, col_in: int, nbytes: float
@@ -947,7 +952,7 @@ def _finish(
         balance_level=level,
         window=window,
     )
-    plan.bytes_sent, plan.bytes_received = _traffic(plan)
+    plan.bytes_sent, plan.bytes_received = forward_bytes(plan)
     if link is not None:
         plan.critical_path_after = plan_critical_path(plan, link)
         plan.critical_path_before = (
@@ -998,26 +1003,3 @@ def _candidate_ranges(a: int, b: int, want: float, g: int, cost) -> list[tuple[i
         out.append((a, cuts[lo - 1]))
     out.append((a, cuts[0]))
     return list(dict.fromkeys(out))
-
-
-def _traffic(plan: CorePlan) -> tuple[list[int], list[int]]:
-    """Bytes each rank sends and receives in one forward call of the engine under ``plan``."""
-    world = plan.world_size
-    (q_holder, q_server, q_rows), (kv_holder, kv_server, kv_rows) = plan_rows(plan)
-    q_bytes = q_rows * plan.q_row_bytes  # Q out to the server, the output back to the holder
-    kv_bytes = kv_rows * plan.kv_row_bytes
-    sent = (
-        _summed(q_holder, q_bytes, world)
-        + _summed(q_server, q_bytes, world)
-        + _summed(kv_holder, kv_bytes, world)
-    )
-    recv = (
-        _summed(q_server, q_bytes, world)
-        + _summed(q_holder, q_bytes, world)
-        + _summed(kv_server, kv_bytes, world)
-    )
-    return [int(x) for x in sent], [int(x) for x in recv]
-
-
-def _summed(ranks: np.ndarray, values: np.ndarray, world: int) -> np.ndarray:
-    return np.bincount(ranks, weights=values, minlength=world).astype(np.int64)
