@@ -28,7 +28,7 @@ from hf_distca.config import DistCAConfig
 from hf_distca.data.loader import DistCABatches, DistCADataLoader, TokenDocuments
 from hf_distca.data.rebatch import LayoutFn, layout_balanced, layout_pieces
 from hf_distca.features import layer_windows
-from hf_distca.planning import forward_flops_per_pair
+from hf_distca.planning import forward_flops_per_pair, imbalance
 from hf_distca.validation import (
     attention_server_group,
     check_launch,
@@ -273,10 +273,10 @@ class DistCACallback(TrainerCallback):
             "step_time_s": max(row[0] for row in floats),
             "attn_flops_before": before,
             "attn_flops_after": after,
-            "imbalance_before": _imbalance(before),
-            "imbalance_after": _imbalance(after),
+            "imbalance_before": imbalance(before),
+            "imbalance_after": imbalance(after),
             # the same documents placed by the token-only rebatcher (whole documents where they fit)
-            "imbalance_token_layout": _imbalance(token_layout),
+            "imbalance_token_layout": imbalance(token_layout),
         }
         for i, name in enumerate(int_names):
             record[_RECORD_KEYS.get(name, name)] = [int(row[i]) for row in ints]
@@ -332,12 +332,6 @@ def _read_records(path: str) -> list[dict]:
         return []
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
-
-
-def _imbalance(values: list[float]) -> float:
-    """max / mean over ranks (1.0 when there is no work)."""
-    total = sum(values)
-    return max(values) / (total / len(values)) if values and total > 0 else 1.0
 
 
 def _check_same_documents(lengths: list[int], world: int) -> None:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from hf_distca.planning.tasks import imbalance
+
 
 @dataclass
 class EngineStats:
@@ -38,17 +40,11 @@ class EngineStats:
 
     @property
     def imbalance_before(self) -> float:
-        return _imbalance(self.flops_before)
+        return imbalance(self.flops_before)
 
     @property
     def imbalance_after(self) -> float:
-        return _imbalance(self.flops_after)
-
-
-def _imbalance(values: list[float]) -> float:
-    if not values or sum(values) <= 0:
-        return 1.0
-    return max(values) / (sum(values) / len(values))
+        return imbalance(self.flops_after)
 
 
 _lock = threading.Lock()

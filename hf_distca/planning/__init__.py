@@ -11,7 +11,8 @@ from hf_distca.planning.cost import (
 from hf_distca.planning.dispatch import DispatchIndex, build_dispatch_index
 from hf_distca.planning.links import LinkModel, link_model_from_config, plan_critical_path
 from hf_distca.planning.pieces import DocIndex, Piece, PieceError
-from hf_distca.planning.planner import CATask, CorePlan, plan_core_attention
+from hf_distca.planning.planner import plan_core_attention
+from hf_distca.planning.tasks import CATask, CorePlan, imbalance
 
 __all__ = [
     "CATask",
@@ -28,6 +29,7 @@ __all__ = [
     "causal_pairs",
     "cost_model_from_config",
     "forward_flops_per_pair",
+    "imbalance",
     "link_model_from_config",
     "plan_core_attention",
     "plan_critical_path",

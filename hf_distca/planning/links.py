@@ -30,11 +30,21 @@ from hf_distca.planning.cost import (
     MeasuredCost,
     attention_flops_per_pair,
 )
-from hf_distca.planning.traffic import distinct_phases, link_classes, plan_traffic
+from hf_distca.planning.traffic import (
+    INTER,
+    INTRA,
+    distinct_phases,
+    forward_phases,
+    link_classes,
+    plan_traffic,
+    send_weights,
+)
 
 __all__ = [
     "FWD_BWD_FLOP_RATIO",
+    "Changes",
     "LinkModel",
+    "PhaseTimes",
     "attention_flops_per_pair",
     "link_model_from_config",
     "plan_critical_path",
@@ -134,9 +144,160 @@ def link_model_from_config(config: Any, cost_model: Any, flops_per_pair: float |
     )
 
 
-def plan_critical_path(plan: Any, link: LinkModel, loads: Any = None) -> float:
+def plan_critical_path(
+    plan: Any, link: LinkModel, loads: Any = None, table: np.ndarray | None = None
+) -> float:
     """Seconds of one layer's core attention on the critical path under ``plan`` (``loads``: per server
-    cost, default the plan's ``load_after``)."""
+    cost, default the plan's ``load_after``; ``table``: the plan's
+    :func:`~hf_distca.planning.traffic.plan_traffic` with the link's topology, when already computed)."""
     loads = plan.load_after if loads is None else loads
-    comm = link.comm_seconds(link.phase_seconds(plan_traffic(plan, link.ranks_per_node)))
+    table = plan_traffic(plan, link.ranks_per_node) if table is None else table
+    comm = link.comm_seconds(link.phase_seconds(table))
     return link.critical_path(max(loads, default=0.0), comm)
+
+
+Changes = dict[int, list[list[float]]]
+"""rank -> byte deltas per link class [INTRA, INTER] x [Q_OUT, KV_OUT, Q_IN, KV_IN]."""
+
+
+class PhaseTimes:
+    """The link model kept up to date under a changing assignment (the planner's greedy): exact bytes per
+    rank and link class (the ledger's forward-dispatch columns), each rank's seconds in the ledger's
+    distinct phases, and the all-to-all time they add up to; prices a change without applying it."""
+
+    TOP = 8  # ranks kept per phase, slowest first: a move touches a few ranks, the max of the rest is here
+
+    def __init__(self, link: LinkModel, world: int):
+        self.link = link
+        self.world = world
+        self.inverse = tuple(float(x) for x in link.inverse_bandwidth)
+        # the ledger's distinct phases: per phase, (column, weight) terms of what a rank sends / receives
+        send, recv, counts = distinct_phases()
+        self.send_matrix, self.recv_matrix = send.astype(np.float64), recv.astype(np.float64)  # (k, 4)
+        self.terms = [
+            tuple(tuple((j, float(w)) for j, w in enumerate(row) if w) for row in (send[d], recv[d]))
+            for d in range(len(counts))
+        ]
+        self.counts = [float(c) for c in counts]
+        self.forward_send = send_weights()[forward_phases()].sum(axis=0).astype(np.float64)  # (4,)
+        self.forward_terms = tuple((j, float(w)) for j, w in enumerate(self.forward_send) if w)
+        self.bytes = [[[0.0] * 4 for _ in range(2)] for _ in range(world)]
+        self.array = np.zeros((world, 2, 4))  # the same bytes, for pricing moves that touch many ranks
+        self.phase = np.zeros((world, len(counts)))
+        self.top: list[list[tuple[float, int]]] = [[] for _ in counts]
+        self.now = 0.0  # comm_seconds() of the current bytes
+
+    def clone(self) -> PhaseTimes:
+        other = object.__new__(PhaseTimes)
+        other.__dict__.update(self.__dict__)  # the link model and the ledger's terms are shared
+        other.bytes = list(self.bytes)  # apply() replaces a rank's rows, never edits them
+        other.array = self.array.copy()
+        other.phase = self.phase.copy()
+        other.top = [list(t) for t in self.top]
+        other.now = self.now
+        return other
+
+    def rank_phases(self, b: list[list[float]]) -> list[float]:
+        """Seconds of a rank's distinct phases from its bytes (as ``LinkModel.phase_seconds``)."""
+        out = [0.0] * len(self.terms)
+        for c in (INTRA, INTER):
+            w = self.inverse[c]
+            if w == 0.0:
+                continue
+            row = b[c]
+            for d, (send, recv) in enumerate(self.terms):
+                s = r = 0.0
+                for j, x in send:
+                    s += x * row[j]
+                for j, x in recv:
+                    r += x * row[j]
+                out[d] = max(out[d], max(s, r) * w)
+        return out
+
+    def after(self, changes: Changes) -> dict[int, list[list[float]]]:
+        """The new bytes of every rank ``changes`` touches."""
+        out = {}
+        for r, delta in changes.items():
+            old = self.bytes[r]
+            out[r] = [[old[c][j] + delta[c][j] for j in range(4)] for c in (INTRA, INTER)]
+        return out
+
+    def sent(self, b: list[list[float]]) -> float:
+        """Bytes a rank sends in one forward call (the ledger's forward phases)."""
+        total = 0.0
+        for c in (INTRA, INTER):
+            row = b[c]
+            for j, x in self.forward_terms:
+                total += x * row[j]
+        return total
+
+    def comm_seconds(self, new_phases: dict[int, list[float]] | None = None) -> float:
+        """One layer's all-to-all seconds now, or with the ranks of ``new_phases`` at those phase times."""
+        new_phases = new_phases or {}
+        total = 0.0
+        for p, weight in enumerate(self.counts):
+            slowest = max((v[p] for v in new_phases.values()), default=0.0)
+            rest = None
+            for value, r in self.top[p]:
+                if r not in new_phases:
+                    rest = value
+                    break
+            if rest is None and len(self.top[p]) < self.world:  # every kept rank is touched: look at all
+                mask = np.ones(self.world, dtype=bool)
+                mask[list(new_phases)] = False
+                rest = float(self.phase[mask, p].max()) if mask.any() else 0.0
+            total += weight * max(slowest, rest or 0.0)
+        return total
+
+    MANY = 24
+    """Moves touching at least this many ranks are priced with arrays (:meth:`exposed_many`)."""
+
+    def exposed_many(self, changes: Changes, bound: float | None) -> float | None:
+        """comm_seconds() with ``changes`` applied minus now, computed on arrays with the same arithmetic as
+        :meth:`after`, :meth:`sent`, :meth:`rank_phases` and :meth:`comm_seconds`; None when a rank would
+        go over the send bound ``bound``."""
+        ranks = list(changes)
+        rows = np.array(ranks, dtype=np.int64)
+        old = self.array[rows]  # (k, 2, 4)
+        new = old + np.array([changes[r] for r in ranks], dtype=np.float64)
+        if bound is not None:
+            sent_new, sent_old = ((b @ self.forward_send).sum(axis=1) for b in (new, old))  # (n,) each
+            if np.any((sent_new > bound) & (sent_new > sent_old)):
+                return None
+        phases = np.zeros((len(ranks), len(self.counts)))
+        for c in (INTRA, INTER):
+            w = self.inverse[c]
+            if w == 0.0:
+                continue
+            by_phase = np.maximum(new[:, c] @ self.send_matrix.T, new[:, c] @ self.recv_matrix.T)  # (n, k)
+            phases = np.maximum(phases, by_phase * w)
+        touched = set(ranks)
+        total = 0.0
+        for p, weight in enumerate(self.counts):
+            slowest = float(phases[:, p].max())
+            rest = None
+            for value, r in self.top[p]:
+                if r not in touched:
+                    rest = value
+                    break
+            if rest is None and len(self.top[p]) < self.world:  # every kept rank is touched: look at all
+                mask = np.ones(self.world, dtype=bool)
+                mask[rows] = False
+                rest = float(self.phase[mask, p].max()) if mask.any() else 0.0
+            total += weight * max(slowest, rest or 0.0)
+        return total - self.now
+
+    def apply(self, changes: Changes) -> None:
+        for r, b in self.after(changes).items():
+            self.bytes[r] = b
+            self.array[r] = b
+            self.phase[r] = self.rank_phases(b)
+        self._refresh_top()
+        self.now = self.comm_seconds()
+
+    def _refresh_top(self) -> None:
+        k = min(self.TOP, self.world)
+        for p in range(len(self.counts)):
+            column = self.phase[:, p]
+            ranks = np.argpartition(-column, k - 1)[:k] if k < self.world else np.arange(self.world)
+            self.top[p] = sorted(((float(column[r]), int(r)) for r in ranks), reverse=True)

@@ -180,9 +180,11 @@ def plan_bytes(plan: Any) -> np.ndarray:
     )  # (ranks, phases, 2) -> (phases, ranks, 2)
 
 
-def forward_bytes(plan: Any) -> tuple[list[int], list[int]]:
-    """Bytes each rank sends and receives in one forward call under ``plan`` (the forward phases)."""
-    per_phase = plan_bytes(plan)[forward_phases()].sum(axis=0)  # (ranks, 2)
+def forward_bytes(plan: Any, table: np.ndarray | None = None) -> tuple[list[int], list[int]]:
+    """Bytes each rank sends and receives in one forward call under ``plan`` (the forward phases);
+    ``table``: the plan's :func:`plan_traffic`, when already computed."""
+    columns = (plan_traffic(plan) if table is None else table).sum(axis=1)  # (ranks, 4)
+    per_phase = phase_bytes(columns)[:, forward_phases()].sum(axis=1)  # (ranks, 2)
     return [int(x) for x in per_phase[:, 0]], [int(x) for x in per_phase[:, 1]]
 
 
