@@ -54,10 +54,11 @@ from test_engine_remat import Layout as ModelLayout
 from hf_distca import DistCAConfig, core_attention, enable_distca, metrics, plan_core_attention
 from hf_distca import engine as eng
 from hf_distca.comm import signal_only
-from hf_distca.engine.nano import BALANCE, DUPLICATE_GAP, nano_batches, split_server_tasks
+from hf_distca.engine.nano import nano_batches
 from hf_distca.engine.prepare import PreparedAttention
 from hf_distca.kernels import reference_varlen_attention
 from hf_distca.planning import CATask, DocIndex, build_dispatch_index, causal_pairs, traffic
+from hf_distca.planning.nano import BALANCE, DUPLICATE_GAP, split_server_tasks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 D = 8
@@ -221,6 +222,7 @@ def _run(q, k, v, w, layout: Layout, rank: int, config: DistCAConfig) -> dict:
         "forward": forward,
         "total": metrics.snapshot(),
         "runner": type(out.grad_fn.runner).__name__,
+        "runner_parts": len(out.grad_fn.runner.split.parts),
     }
 
 
@@ -380,7 +382,10 @@ def _check_attention(case: dict, per_rank: list[dict], world: int) -> dict:
         rows = torch.as_tensor(layout.rows(rank))
         pp, serial = res["pp"], res["serial"]
         assert all(r["communicates"] == communicates for r in per_rank), label
-        assert pp["runner"] == ("PingPongRunner" if communicates else "EngineRunner"), label
+        # nano-batches only when the plan exchanges rows; else (and without ping-pong) one part: serial
+        assert pp["runner"] == serial["runner"] == "PingPongRunner", label
+        assert pp["runner_parts"] == (len(res["parts"]) if communicates else 1), label
+        assert serial["runner_parts"] == 1, label
         for name, got, want, other in zip(("out", "dq", "dk", "dv"), pp["tensors"], ref, serial["tensors"]):
             assert got.dtype == DTYPES[case["dtype"]] and got.shape[0] == len(rows), label
             assert_close(got, want[rows], case["dtype"], f"{label} rank {rank} {name} vs oracle")
