@@ -124,11 +124,15 @@ class DistCACallback(TrainerCallback):
         self._windows: list[int | None] = []  # per layer, for the attention load before balancing
 
     # ------------------------------------------------------------------ DistCATrainer's side
-    def _bind(self, trainer) -> None:
-        """Called by DistCATrainer before anything else: the trainer this callback serves."""
+    def attach(self, trainer, *, args=None, model=None) -> None:
+        """Called by DistCATrainer before anything else: the trainer this callback serves. With ``args``
+        and ``model`` (a trainer already constructed: ``add_callback``), the pre-flight checks and the
+        data path run now; otherwise at the trainer's ``on_init_end``."""
         if self._trainer is not None and self._trainer is not trainer:
             raise ValueError("this DistCACallback already belongs to another trainer; create one per trainer")
         self._trainer = trainer
+        if args is not None:
+            self._prepare(args, model)
 
     def _prepare(self, args, model) -> None:
         """Pre-flight checks and the data path; at construction (or add_callback) of the trainer."""
@@ -173,10 +177,11 @@ class DistCACallback(TrainerCallback):
             )
         self.batches = batches
 
-    def _train_dataloader(self) -> DistCADataLoader:
+    def train_dataloader(self) -> DistCADataLoader:
+        """This rank's DistCA micro-batches, for ``Trainer.get_train_dataloader``."""
         return DistCADataLoader(self.batches)
 
-    def _add_loss(self, loss: torch.Tensor) -> None:
+    def record_loss(self, loss: torch.Tensor) -> None:
         """One micro-batch's loss as ``Trainer.training_step`` returns it (summed over the step)."""
         loss = loss.detach()
         self._step_loss = loss if self._step_loss is None else self._step_loss + loss

@@ -236,7 +236,10 @@ def _planned(
     elem = q.element_size()
     cost_model = cost_model_from_config(config, window)
     # the cost model's repr carries its table's hash: a table rewritten in place plans anew
-    key = (digest, rank, len(all_pieces), q_heads, kv_heads, head_dim, elem, config, repr(cost_model), window)
+    key = (
+        digest, rank, len(all_pieces), q_heads, kv_heads, head_dim, elem,
+        config.plan_fields(), repr(cost_model), window,
+    )  # fmt: skip
     hit = _plan_cache.get(key)
     if hit is not None:
         _plan_cache.move_to_end(key)
