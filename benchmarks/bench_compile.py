@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_remat import (  # noqa: E402
+from common import (  # noqa: E402
     LossModel,
     build_batches,
     build_model,

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_remat import (  # noqa: E402
+from common import (  # noqa: E402
     LossModel,
     barrier,
     build_batches,
@@ -60,7 +60,7 @@ from bench_remat import (  # noqa: E402
     set_mode,
     timed_steps,
 )
-from bench_remat import write_outputs as write_results  # noqa: E402
+from common import write_outputs as write_results  # noqa: E402
 
 from hf_distca import DistCAConfig, enable_distca  # noqa: E402
 from hf_distca.comm import signal_only  # noqa: E402

@@ -18,12 +18,12 @@ import statistics
 import time
 
 import torch
-import torch.distributed as dist
 from transformers import TrainerCallback
 
 from hf_distca import metrics
 from hf_distca.attention import enable_distca
 from hf_distca.checkpointing import switch_trainer_checkpointing
+from hf_distca.comm import all_gather_rows
 from hf_distca.config import DistCAConfig
 from hf_distca.data.loader import DistCABatches, DistCADataLoader, TokenDocuments
 from hf_distca.data.rebatch import LayoutFn, layout_balanced, layout_pieces
@@ -214,8 +214,7 @@ class DistCACallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self._trainer is None or self.batches is None:
             raise RuntimeError(NEEDS_DISTCA_TRAINER)
-        world = max(args.world_size, 1)
-        _check_same_documents(self.batches.documents.lengths, world)
+        _check_same_documents(self.batches.documents.lengths)
         if self.disaggregate:
             enable_distca(model, group=self._group, config=self.config)
         if not self.recompute_attention:
@@ -257,10 +256,8 @@ class DistCACallback(TrainerCallback):
         int_names = [k for k, v in counters.items() if isinstance(v, int)]
         float_names = [k for k, v in counters.items() if not isinstance(v, int)]
         loss = float(self._step_loss) if self._step_loss is not None else float("nan")
-        ints = _gather(torch.tensor([counters[k] for k in int_names], dtype=torch.int64), world)
-        floats = _gather(
-            torch.tensor([elapsed, loss, *(counters[k] for k in float_names)], dtype=torch.float64), world
-        )
+        ints = all_gather_rows([counters[k] for k in int_names])
+        floats = all_gather_rows([elapsed, loss, *(counters[k] for k in float_names)], dtype=torch.float64)
         step, windows = self.batches.current_step, self._windows  # every layer's pairs, its own window
         before = [p * self._flops_per_pair for p in self.batches.layout_load(step, windows=windows)]
         token_layout = self.batches.layout_load(step, layout=layout_pieces, windows=windows)
@@ -339,23 +336,12 @@ def _read_records(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _check_same_documents(lengths: list[int], world: int) -> None:
+def _check_same_documents(lengths: list[int]) -> None:
     """Every rank must plan from the same documents; compare a digest of their lengths."""
     digest = int.from_bytes(hashlib.sha256(repr(lengths).encode()).digest()[:7], "big")
-    seen = [int(row[0]) for row in _gather(torch.tensor([digest], dtype=torch.int64), world)]
+    seen = [int(row[0]) for row in all_gather_rows([digest])]
     if len(set(seen)) != 1:
         raise RuntimeError(
             "ranks see different training documents (their token lengths differ); every rank must load and "
             "tokenize the same dataset in the same order (same tokenizer, no per-rank shuffling)"
         )
-
-
-def _gather(values: torch.Tensor, world: int) -> list[list]:
-    """Every rank's 1-D ``values`` (same length and dtype on all ranks), as Python numbers per rank."""
-    if world == 1 or not (dist.is_available() and dist.is_initialized()):
-        return [values.tolist()]
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    values = values.to(device)
-    out = [torch.empty_like(values) for _ in range(world)]
-    dist.all_gather(out, values)
-    return [t.tolist() for t in out]

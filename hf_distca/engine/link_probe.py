@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hf_distca.comm import collective_device
 from hf_distca.config import DistCAConfig
-from hf_distca.engine.consistency import collective_device
 from hf_distca.planning.traffic import INTER, link_classes
 
 PROBE_BYTES = 8 * 2**20

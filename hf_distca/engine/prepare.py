@@ -23,16 +23,14 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from hf_distca import metrics
+from hf_distca.comm import all_gather_padded, all_gather_rows, collective_device, group_rank_world
 from hf_distca.config import DistCAConfig
 from hf_distca.engine.consistency import (
     LocalInputs,
     Pieces,
-    all_gather_rows,
     check_vector,
-    collective_device,
     describe_inputs,
     digest64,
     raise_on_disagreement,
@@ -128,15 +126,6 @@ class PreparedAttention:
         return self._on_device[key]
 
 
-def group_rank_world(group: Any) -> tuple[int, int]:
-    """This process's rank in ``group`` and the group's size (0, 1 without torch.distributed)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        if group is not None:
-            raise RuntimeError("a process group was passed but torch.distributed is not initialized")
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
 @dataclass
 class _SeenLayout:
     obj: Any
@@ -213,14 +202,9 @@ def _gather_pieces(info: LocalInputs, config: DistCAConfig, group: Any, device: 
     )
     info.raise_if_failed()
     counts = [r[0] for r in rows]
-    dev = collective_device(group, device)
-    mine = torch.full((max(max(counts), 1), 3), -1, dtype=torch.long)
-    if info.pieces:
-        mine[: len(info.pieces)] = torch.tensor(info.pieces, dtype=torch.long)
-    mine = mine.to(dev)
-    everyone = [torch.empty_like(mine) for _ in counts]
-    dist.all_gather(everyone, mine, group=group)
-    return [[tuple(p) for p in t[:n].cpu().tolist()] for t, n in zip(everyone, counts, strict=True)]
+    mine = torch.tensor(info.pieces, dtype=torch.long).reshape(-1, 3)  # (pieces, 3)
+    everyone = all_gather_padded(mine, counts, group, collective_device(group, device))
+    return [[tuple(p) for p in t.cpu().tolist()] for t in everyone]
 
 
 def _planned(
