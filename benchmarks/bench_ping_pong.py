@@ -51,6 +51,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
     LossModel,
+    add_step_arguments,
     barrier,
     build_batches,
     build_model,
@@ -231,10 +232,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--link", default="nvlink", help="label of the link in the report (e.g. nvlink, p2p-disabled)"
     )
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--loss-chunk", type=int, default=8192)
-    p.add_argument("--seed", type=int, default=0)
+    add_step_arguments(p)
     p.add_argument(
         "--layout",
         choices=sorted(LAYOUTS),

@@ -27,7 +27,6 @@ compared with ``recompute``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import shlex
 import statistics
@@ -41,9 +40,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 from common import (  # noqa: E402
     LossModel,
+    add_step_arguments,
     barrier,
     build_batches,
     build_model,
+    init_distributed,
     load_lengths,
     long_share,
     max_over_ranks,
@@ -101,10 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         "and is labelled 'mode (backend)'",
     )
     p.add_argument("--skip-none-for", default="", help="comma-separated sample names where 'none' is not run")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--loss-chunk", type=int, default=8192)
-    p.add_argument("--seed", type=int, default=0)
+    add_step_arguments(p)
     p.add_argument(
         "--layout",
         choices=sorted(LAYOUTS),
@@ -131,12 +129,7 @@ def main() -> int:
         return 2
     DEVICE, DTYPE = selected
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        backend = "gloo" if args.cpu else "nccl"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=180))
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    group = dist.group.WORLD if dist.is_initialized() else None
+    rank, world, group = init_distributed(args.cpu, timeout_s=180)
 
     lm = build_model(args.model, args.layers, args.seed, DEVICE, DTYPE)
     config = lm.config

@@ -28,7 +28,6 @@ out of memory) is reported as its error.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import shlex
 import sys
@@ -82,11 +81,8 @@ def main() -> int:
     p.add_argument("--doc-lengths", default="mix", help="'mix' or [name=]path.json")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
     p.add_argument("--checkpointing", choices=("on", "none"), default="on")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--loss-chunk", type=int, default=8192)
+    common.add_step_arguments(p)
     p.add_argument("--backend", default="auto", help="DistCAConfig.backend")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="markdown file for the table (rank 0)")
     p.add_argument(
         "--cpu", action="store_true", help="smoke test: tiny-gemma3, 1024 tokens, float32 on the CPU"
@@ -100,11 +96,7 @@ def main() -> int:
         print("bench_window_step.py needs CUDA GPUs (or --cpu for a smoke test)", file=sys.stderr)
         return 2
     device, dtype = selected
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        dist.init_process_group("gloo" if args.cpu else "nccl", timeout=datetime.timedelta(seconds=300))
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    group = dist.group.WORLD if dist.is_initialized() else None
+    rank, world, group = common.init_distributed(args.cpu)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     config = recipe_config(args.model, args.layers, common.VOCAB_DOCS)
     window = config.sliding_window

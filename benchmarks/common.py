@@ -4,6 +4,8 @@ first on ``sys.path``, as running a script puts it)."""
 
 from __future__ import annotations
 
+import argparse
+import datetime
 import importlib.util
 import json
 import os
@@ -25,6 +27,24 @@ from hf_distca.data.rebatch import LayoutFn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB_DOCS = 32000  # token ids of the generated documents (the model's vocabulary stays 128K)
+
+
+def init_distributed(cpu: bool, timeout_s: int = 300) -> tuple[int, int, object]:
+    """(rank, world, group) of this torchrun process; with WORLD_SIZE > 1 a gloo (``cpu``) or NCCL process
+    group over the world is started first."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        dist.init_process_group("gloo" if cpu else "nccl", timeout=datetime.timedelta(seconds=timeout_s))
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return rank, world, dist.group.WORLD if dist.is_initialized() else None
+
+
+def add_step_arguments(p: argparse.ArgumentParser, *, steps: int = 3) -> None:
+    """The options of the timed training steps: --warmup, --steps, --loss-chunk, --seed."""
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--loss-chunk", type=int, default=8192)
+    p.add_argument("--seed", type=int, default=0)
 
 
 def recipe_model_shape(name: str) -> dict:

@@ -234,19 +234,24 @@ class PhaseTimes:
     def comm_seconds(self, new_phases: dict[int, list[float]] | None = None) -> float:
         """One layer's all-to-all seconds now, or with the ranks of ``new_phases`` at those phase times."""
         new_phases = new_phases or {}
+        slowest = [max((v[p] for v in new_phases.values()), default=0.0) for p in range(len(self.counts))]
+        return self._comm_with(slowest, new_phases)
+
+    def _comm_with(self, slowest: list[float], touched) -> float:
+        """One layer's all-to-all seconds when the ranks in ``touched`` take at most ``slowest`` (per phase)
+        and every other rank its current phase times."""
         total = 0.0
         for p, weight in enumerate(self.counts):
-            slowest = max((v[p] for v in new_phases.values()), default=0.0)
             rest = None
             for value, r in self.top[p]:
-                if r not in new_phases:
+                if r not in touched:
                     rest = value
                     break
             if rest is None and len(self.top[p]) < self.world:  # every kept rank is touched: look at all
                 mask = np.ones(self.world, dtype=bool)
-                mask[list(new_phases)] = False
+                mask[list(touched)] = False
                 rest = float(self.phase[mask, p].max()) if mask.any() else 0.0
-            total += weight * max(slowest, rest or 0.0)
+            total += weight * max(slowest[p], rest or 0.0)
         return total
 
     MANY = 24
@@ -271,21 +276,8 @@ class PhaseTimes:
                 continue
             by_phase = np.maximum(new[:, c] @ self.send_matrix.T, new[:, c] @ self.recv_matrix.T)  # (n, k)
             phases = np.maximum(phases, by_phase * w)
-        touched = set(ranks)
-        total = 0.0
-        for p, weight in enumerate(self.counts):
-            slowest = float(phases[:, p].max())
-            rest = None
-            for value, r in self.top[p]:
-                if r not in touched:
-                    rest = value
-                    break
-            if rest is None and len(self.top[p]) < self.world:  # every kept rank is touched: look at all
-                mask = np.ones(self.world, dtype=bool)
-                mask[rows] = False
-                rest = float(self.phase[mask, p].max()) if mask.any() else 0.0
-            total += weight * max(slowest, rest or 0.0)
-        return total - self.now
+        slowest = [float(x) for x in phases.max(axis=0)]  # (k,)
+        return self._comm_with(slowest, set(ranks)) - self.now
 
     def apply(self, changes: Changes) -> None:
         for r, b in self.after(changes).items():
