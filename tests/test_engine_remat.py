@@ -219,18 +219,24 @@ def remat_case(rank: int, world: int) -> dict:
     for mode in MODES:
         model = with_mode(base, mode)
         enable_distca(model, group=dist.group.WORLD, config=DistCAConfig(shard_tokens=8, tolerance=0.0))
-        metrics.reset()
-        logits = model(input_ids=ids, position_ids=pos, distca_layout=layout.of(rank), use_cache=False).logits
-        loss = (logits[0] * weights).sum()
-        loss.backward()
-        stats = metrics.snapshot()
-        total = torch.tensor([float(loss.detach())], dtype=torch.float64)
-        dist.all_reduce(total)
-        grads = grads_of(model)
-        for g in grads.values():
-            dist.all_reduce(g)
-        runs[mode] = {"loss": float(total), "grads": grads, "stats": stats}
+        runs[mode] = train_once(model, ids, pos, layout.of(rank), weights)
     return runs
+
+
+def train_once(model, ids, pos, distca_layout, weights) -> dict:
+    """One forward and backward of ``model`` on this rank's tokens: the loss and every parameter gradient
+    summed over the ranks, and this rank's engine metrics."""
+    metrics.reset()
+    logits = model(input_ids=ids, position_ids=pos, distca_layout=distca_layout, use_cache=False).logits
+    loss = (logits[0] * weights).sum()
+    loss.backward()
+    stats = metrics.snapshot()
+    total = torch.tensor([float(loss.detach())], dtype=torch.float64)
+    dist.all_reduce(total)
+    grads = grads_of(model)
+    for g in grads.values():
+        dist.all_reduce(g)
+    return {"loss": float(total), "grads": grads, "stats": stats}
 
 
 def check_remat_case(per_rank: list[dict], world: int) -> None:

@@ -44,9 +44,9 @@ from test_engine_remat import (
     check_modes,
     docs_of,
     global_rows,
-    grads_of,
     rank_inputs,
     tiny_llama,
+    train_once,
     with_mode,
 )
 from test_engine_remat import Layout as ModelLayout
@@ -303,17 +303,7 @@ def _model_case(rank: int, world: int) -> dict:
             shard_tokens=8, tolerance=0.0, ping_pong=ping_pong, ping_pong_split=split, backend="reference"
         )
         enable_distca(model, group=dist.group.WORLD, config=config)
-        metrics.reset()
-        logits = model(input_ids=ids, position_ids=pos, distca_layout=layout.of(rank), use_cache=False).logits
-        loss = (logits[0] * weights).sum()
-        loss.backward()
-        stats = metrics.snapshot()
-        total = torch.tensor([float(loss.detach())], dtype=torch.float64)
-        dist.all_reduce(total)
-        grads = grads_of(model)
-        for g in grads.values():
-            dist.all_reduce(g)
-        runs[mode] = {"loss": float(total), "grads": grads, "stats": stats}
+        runs[mode] = train_once(model, ids, pos, layout.of(rank), weights)
     return runs
 
 

@@ -40,7 +40,7 @@ log-sum-exp is kept per nano-batch (the same rows in all).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,24 +103,44 @@ class PingPongRunner:
             return per_part[0]
         return torch.cat(per_part).index_select(0, self.split.local_order(device))
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        parts, group, name = self.split.parts, self.group, self._name
+    def _interleave(self, pass_: str, start: Callable, run: Callable, finish: Callable) -> list:
+        """One pass's schedule: every part's ``start(part)`` (its dispatch), then per part: wait for it,
+        ``run(j, part, received)`` (its kernel) and ``finish(part, result)`` (start its return); returns
+        the returns in flight. Nothing a part received outlives its kernel."""
+        parts, name = self.split.parts, self._name
         in_flight = []
         for j, part in enumerate(parts):
-            with _stage(name("fwd.dispatch", j)):
-                in_flight.append(dispatch(part, q, k, v, group, async_op=True))
-        outs, lses, returning = [], [], []
+            with _stage(name(f"{pass_}.dispatch", j)):
+                in_flight.append(start(part))
+        returning = []
         for j, part in enumerate(parts):
-            with _stage(name("fwd.wait_dispatch", j)):
+            with _stage(name(f"{pass_}.wait_dispatch", j)):
                 received = _wait(in_flight[j])
             in_flight[j] = None  # the received rows are freed once the kernel has run
-            with _stage(name("fwd.compute", j)):
-                out_kernel, lse = compute(part, q, k, v, received, scale=self.scale, backend=self.backend)
+            with _stage(name(f"{pass_}.compute", j)):
+                result = run(j, part, received)
             del received
-            with _stage(name("fwd.return", j)):
-                returning.append(return_outputs(part, out_kernel, group, async_op=True))
+            with _stage(name(f"{pass_}.return", j)):
+                returning.append(finish(part, result))
+            del result
+        return returning
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        parts, group, name = self.split.parts, self.group, self._name
+        outs, lses = [], []
+
+        def run(j, part, received):
+            out_kernel, lse = compute(part, q, k, v, received, scale=self.scale, backend=self.backend)
             outs.append(out_kernel)
             lses.append(lse)
+            return out_kernel
+
+        returning = self._interleave(
+            "fwd",
+            lambda part: dispatch(part, q, k, v, group, async_op=True),
+            run,
+            lambda part, out_kernel: return_outputs(part, out_kernel, group, async_op=True),
+        )
         gathered = []
         for j, part in enumerate(parts):
             with _stage(name("fwd.wait_return", j)):
@@ -140,23 +160,14 @@ class PingPongRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         parts, group, name = self.split.parts, self.group, self._name
         lses = lse.split([len(part.index.kernel_q_index) for part in parts])
-        in_flight = []
-        for j, part in enumerate(parts):
-            with _stage(name("bwd.dispatch", j)):
-                in_flight.append(dispatch_backward(part, q, k, v, out, dout, group, async_op=True))
-        returning = []
-        for j, part in enumerate(parts):
-            with _stage(name("bwd.wait_dispatch", j)):
-                received = _wait(in_flight[j])
-            in_flight[j] = None
-            with _stage(name("bwd.compute", j)):
-                dq_k, dk_k, dv_k = compute_backward(
-                    part, q, k, v, out, dout, lses[j], received, scale=self.scale, backend=self.backend
-                )
-            del received
-            with _stage(name("bwd.return", j)):
-                returning.append(return_grads(part, dq_k, dk_k, dv_k, group, async_op=True))
-            del dq_k, dk_k, dv_k
+        returning = self._interleave(
+            "bwd",
+            lambda part: dispatch_backward(part, q, k, v, out, dout, group, async_op=True),
+            lambda j, part, received: compute_backward(
+                part, q, k, v, out, dout, lses[j], received, scale=self.scale, backend=self.backend
+            ),
+            lambda part, grads: return_grads(part, *grads, group, async_op=True),  # grads: dq, dk, dv
+        )
         dqs, dk, dv = [], None, None
         for j, part in enumerate(parts):
             with _stage(name("bwd.wait_return", j)):

@@ -87,6 +87,10 @@ class PreparedAttention:
     def rank(self) -> int:
         return self.index.rank
 
+    def kernel_seqs(self) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """The server kernel's (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)."""
+        return self.cu_seqlens_q, self.cu_seqlens_k, self.index.max_seqlen_q, self.index.max_seqlen_k
+
     @property
     def window(self) -> int | None:
         """The layer's sliding window the plan (and so the server kernel) follows; None: full causal."""

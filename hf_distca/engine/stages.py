@@ -133,16 +133,7 @@ def compute(
     if q_kernel.shape[0]:
         metrics.record_forward_kernel()
     return attention_forward(
-        q_kernel,
-        k_kernel,
-        v_kernel,
-        prep.cu_seqlens_q,
-        prep.cu_seqlens_k,
-        ix.max_seqlen_q,
-        ix.max_seqlen_k,
-        scale=scale,
-        backend=backend,
-        window=prep.window,
+        q_kernel, k_kernel, v_kernel, *prep.kernel_seqs(), scale=scale, backend=backend, window=prep.window
     )
 
 
@@ -217,19 +208,7 @@ def compute_backward(
         [q, out, dout, k, v], received, [rq, rq, rq, rkv, rkv], [qi, qi, qi, kvi, kvi]
     )
     return attention_backward(
-        do_k,
-        q_k,
-        k_k,
-        v_k,
-        o_k,
-        lse,
-        prep.cu_seqlens_q,
-        prep.cu_seqlens_k,
-        ix.max_seqlen_q,
-        ix.max_seqlen_k,
-        scale=scale,
-        backend=backend,
-        window=prep.window,
+        do_k, q_k, k_k, v_k, o_k, lse, *prep.kernel_seqs(), scale=scale, backend=backend, window=prep.window
     )
 
 

@@ -89,7 +89,7 @@ def split_server_tasks(
     every rank gets the same parts."""
     sizes = (shard_tokens, q_row_bytes, kv_row_bytes, window)
     if split == "halves":
-        return list(_halves(tasks, server, index, *sizes, allow_duplicate=True))
+        return list(_halves(tasks, server, index, sizes, allow_duplicate=True))
 
     def is_local(t: CATask) -> bool:
         first = kv_start(t.q_start, window)
@@ -97,22 +97,16 @@ def split_server_tasks(
 
     local = [t for t in tasks if is_local(t)]
     remote = [t for t in tasks if not is_local(t)]
-    head, tail = _halves(local, server, index, *sizes, allow_duplicate=False)
-    return [head, *_halves(remote, server, index, *sizes, allow_duplicate=False), tail]
+    head, tail = _halves(local, server, index, sizes, allow_duplicate=False)
+    return [head, *_halves(remote, server, index, sizes, allow_duplicate=False), tail]
 
 
 def _halves(
-    tasks: list[CATask],
-    server: int,
-    index: DocIndex,
-    shard_tokens: int,
-    q_row_bytes: int,
-    kv_row_bytes: int,
-    window: int | None,
-    *,
-    allow_duplicate: bool,
+    tasks: list[CATask], server: int, index: DocIndex, sizes: tuple, *, allow_duplicate: bool
 ) -> tuple[list[CATask], list[CATask]]:
-    """``tasks`` in two halves of about equal work, the one with fewer bytes to receive first."""
+    """``tasks`` in two halves of about equal work, the one with fewer bytes to receive first; ``sizes``:
+    (shard_tokens, q_row_bytes, kv_row_bytes, window) as :func:`split_server_tasks` got them."""
+    shard_tokens, q_row_bytes, kv_row_bytes, window = sizes
     by_doc: dict[int, list[CATask]] = {}
     for t in sorted(tasks):
         if t.q_len > 0:
