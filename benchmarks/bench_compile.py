@@ -20,7 +20,6 @@ step, which compiles, is timed on its own), the speed-up over eager, peak memory
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import shlex
 import sys
@@ -30,10 +29,12 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_remat import (  # noqa: E402
+from common import (  # noqa: E402
     LossModel,
+    add_step_arguments,
     build_batches,
     build_model,
+    init_distributed,
     load_lengths,
     select_device,
     set_mode,
@@ -57,10 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--layout", choices=sorted(LAYOUTS), default="distca")
     p.add_argument("--backend", default="auto", help="DistCAConfig.backend of the attention kernel")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--loss-chunk", type=int, default=8192)
-    p.add_argument("--seed", type=int, default=0)
+    add_step_arguments(p, steps=4)
     p.add_argument(
         "--compile-backend", default="inductor", help="torch.compile backend (aot_eager on the CPU)"
     )
@@ -92,11 +90,7 @@ def main() -> int:
         print("bench_compile.py needs CUDA GPUs (or --cpu for a smoke test)", file=sys.stderr)
         return 2
     device, dtype = selected
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        dist.init_process_group("gloo" if args.cpu else "nccl", timeout=datetime.timedelta(seconds=300))
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    group = dist.group.WORLD if dist.is_initialized() else None
+    rank, world, group = init_distributed(args.cpu)
     name, sample = load_lengths(args.doc_lengths, args.seed)
     batches = build_batches(sample, args.tokens_per_rank, 1 + args.warmup + args.steps, rank=rank, world=world,
                             seed=args.seed, layout=LAYOUTS[args.layout], device=device)  # fmt: skip

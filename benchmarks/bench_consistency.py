@@ -18,36 +18,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from hf_distca import DistCAConfig
-from hf_distca.data.rebatch import layout_pieces
-from hf_distca.engine import prepare
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import median_ms  # noqa: E402
+
+from hf_distca import DistCAConfig  # noqa: E402
+from hf_distca.data.rebatch import layout_pieces  # noqa: E402
+from hf_distca.engine import prepare  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
-
-
-def timed_ms(fn, iters: int, warmup: int = 3) -> float:
-    """Median milliseconds of fn() (slowest rank), each call between a barrier and a device sync."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    t = torch.tensor([statistics.median(times) * 1e3], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
 
 
 def layouts(world: int, tokens: int, sample: list[int] | None, seed: int) -> dict[str, list]:
@@ -88,10 +72,10 @@ def measure(name: str, all_pieces: list, rank: int, iters: int) -> str:
     def gathered() -> None:
         prepare(q, kv, kv, pieces, group=group, config=on)
 
-    new_on, new_off = timed_ms(lambda: fresh(on), iters), timed_ms(lambda: fresh(off), iters)
+    new_on, new_off = median_ms(lambda: fresh(on), iters, 3), median_ms(lambda: fresh(off), iters, 3)
     return (
         f"| {name} | {max(len(r) for r in all_pieces)} | {new_on:.3f} | {new_off:.3f} | {new_on - new_off:.3f} | "
-        f"{timed_ms(seen, iters):.3f} | {timed_ms(gathered, iters):.3f} |"
+        f"{median_ms(seen, iters, 3):.3f} | {median_ms(gathered, iters, 3):.3f} |"
     )
 
 

@@ -14,16 +14,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 import torch
 import torch.distributed as dist
 
-from hf_distca import DistCAConfig, core_attention, metrics
-from hf_distca.engine import clear_plan_cache
-from hf_distca.kernels import varlen_attention
-from hf_distca.planning import plan_core_attention
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import median_ms  # noqa: E402
+
+from hf_distca import DistCAConfig, core_attention, local_attention, metrics  # noqa: E402
+from hf_distca.engine import clear_plan_cache  # noqa: E402
+from hf_distca.planning import plan_core_attention  # noqa: E402
 
 BF16_TOL = 2e-2  # max |a - b| / max |b|, bf16 vs bf16 with different summation orders
 
@@ -39,25 +40,6 @@ def skewed_layout(world: int, long_doc: int, short_doc: int) -> list[list[tuple[
             doc += 1
         layout.append(pieces)
     return layout
-
-
-def timed(fn, iters: int, warmup: int) -> float:
-    """Median milliseconds of fn() over iters, after warmup; the max over ranks (the step waits for it)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    t = torch.tensor([statistics.median(times)], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -98,7 +80,7 @@ def main() -> int:
     config = DistCAConfig(tolerance=args.tolerance)
 
     def local_step():
-        out = varlen_attention(q, k, v, cu, cu, max(lens), max(lens))
+        out = local_attention(q, k, v, cu, cu, max(lens), max(lens))
         out.backward(dout)
 
     def distca_step():
@@ -106,7 +88,7 @@ def main() -> int:
         out.backward(dout)
 
     # correctness first: DistCA vs the local kernel (exact reference for whole documents)
-    ref = varlen_attention(q, k, v, cu, cu, max(lens), max(lens))
+    ref = local_attention(q, k, v, cu, cu, max(lens), max(lens))
     ref.backward(dout)
     ref_grads = [t.grad.clone() for t in (q, k, v)]
     for t in (q, k, v):
@@ -130,10 +112,10 @@ def main() -> int:
     for t in (q, k, v):
         t.grad = None
     torch.cuda.reset_peak_memory_stats()
-    t_local = timed(local_step, args.iters, args.warmup)
+    t_local = median_ms(local_step, args.iters, args.warmup, events=True)
     mem_local = torch.cuda.max_memory_allocated() / 2**30
     torch.cuda.reset_peak_memory_stats()
-    t_distca = timed(distca_step, args.iters, args.warmup)
+    t_distca = median_ms(distca_step, args.iters, args.warmup, events=True)
     mem_distca = torch.cuda.max_memory_allocated() / 2**30
     mems = torch.tensor([mem_local, mem_distca, float(stats.bytes_sent)], device="cuda")
     everyone = [torch.zeros_like(mems) for _ in range(world)]

@@ -33,7 +33,6 @@ import json
 import math
 import os
 import shlex
-import statistics
 import sys
 import time
 import traceback
@@ -46,8 +45,13 @@ try:
 except ImportError:  # run from a checkout without installing: the package sits next to benchmarks/
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-FWD_FLOPS_PER_PAIR = 4  # x Hq x D: QK^T and PV, 2 FLOPs per multiply-add each
-FWD_BWD_FACTOR = 3.5
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import median_ms  # noqa: E402
+
+from hf_distca.planning.cost import FWD_BWD_FLOP_RATIO as FWD_BWD_FACTOR  # noqa: E402
+from hf_distca.planning.cost import forward_flops_per_pair  # noqa: E402
+
+FWD_FLOPS_PER_PAIR = int(forward_flops_per_pair(1, 1))  # x Hq x D: QK^T and PV, 2 FLOPs per multiply-add each
 VARIANTS = ("torch_varlen", "cudnn:bottom_right", "cudnn:split")
 
 
@@ -156,23 +160,6 @@ def workloads(args: argparse.Namespace) -> list[tuple[str, list[int], list[int]]
     return rows
 
 
-def time_ms(fn: Callable[[], None], warmup: int, reps: int) -> float:
-    """Median milliseconds of ``fn`` over ``reps`` runs, each timed with its own pair of CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def set_variant(variant: str) -> str:
     from hf_distca.kernels import cudnn_frontend
 
@@ -225,8 +212,8 @@ def bench_one(variant: str, q_lens, k_lens, args, inputs, reference=None) -> dic
     torch.cuda.synchronize()
     peak_gib = (torch.cuda.max_memory_allocated() - base) / 2**30
     del result
-    fwd_ms = time_ms(fwd, args.warmup, args.reps)
-    fwd_bwd_ms = time_ms(fwd_bwd, args.warmup, args.reps)
+    fwd_ms = median_ms(fwd, args.reps, args.warmup, events=True, across_ranks=False)
+    fwd_bwd_ms = median_ms(fwd_bwd, args.reps, args.warmup, events=True, across_ranks=False)
     fwd_flops = FWD_FLOPS_PER_PAIR * args.heads * args.head_dim * sum(map(visible_pairs, q_lens, k_lens))
     return {
         "variant": variant,
@@ -269,15 +256,10 @@ def plan_costs(args) -> list[str]:
 
 
 def time_any_ms(fn: Callable[[], None], args) -> float:
-    """time_ms on CUDA; wall-clock on the CPU (--smoke)."""
+    """Median ms of ``fn``: CUDA events on the GPU, the host clock on the CPU (--smoke, no warmup)."""
     if not args.smoke:
-        return time_ms(fn, args.warmup, args.reps)
-    times = []
-    for _ in range(args.reps):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+        return median_ms(fn, args.reps, args.warmup, events=True, across_ranks=False)
+    return median_ms(fn, args.reps, 0, device=torch.device("cpu"), across_ranks=False)
 
 
 def windows_main(args, command: str) -> int:

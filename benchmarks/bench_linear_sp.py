@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -38,7 +37,10 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from hf_distca.data import layout_pieces
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import median_ms  # noqa: E402
+
+from hf_distca.data import layout_pieces  # noqa: E402
 from hf_distca.linear import LINEAR_BACKENDS, LinearSPConfig, linear_attention
 from hf_distca.linear.ops import (
     build_scan_plan,
@@ -55,27 +57,6 @@ SECTIONS = ("check", "p2p", "scan", "layer", "model", "simulate")
 
 
 # ------------------------------------------------------------------------------------------- helpers
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def timed_ms(fn, device: torch.device, iters: int, warmup: int) -> float:
-    """Median milliseconds of fn() (barrier before each call), the max over ranks."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    t = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor, device: torch.device) -> float:
@@ -229,7 +210,7 @@ def section_p2p(ctx) -> tuple[str, dict]:
                 for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, buf, 0)]):
                     w.wait()
 
-        one_way.append(timed_ms(ping, device, 5 if smoke else 20, 3) / 2 / 1e3)
+        one_way.append(median_ms(ping, 5 if smoke else 20, 3, device=device) / 2 / 1e3)
     link = fit_link(sizes, one_way)
     ctx["link"] = link
     rows = [
@@ -288,9 +269,14 @@ def section_scan(ctx) -> tuple[str, dict]:
                         kw = dict(kind=kind, method=method, num_blocks=blocks)
                         entering = scan_forward(trans, states, plan, **kw)
                         iters = 5 if smoke else 15
-                        fwd = timed_ms(partial(scan_forward, trans, states, plan, **kw), device, iters, 2)
-                        bwd = timed_ms(
-                            partial(scan_backward, trans, entering, grad_in, plan, **kw), device, iters, 2
+                        fwd = median_ms(
+                            partial(scan_forward, trans, states, plan, **kw), iters, 2, device=device
+                        )
+                        bwd = median_ms(
+                            partial(scan_backward, trans, entering, grad_in, plan, **kw),
+                            iters,
+                            2,
+                            device=device,
                         )
                         cells.append(f"{fwd:.3f} / {bwd:.3f}")
                         data.append(
@@ -369,7 +355,7 @@ def section_layer(ctx) -> tuple[str, dict]:
                     )
                     out.backward(leaves["w"])
 
-                ms = timed_ms(step, device, 3 if smoke else 10, 2)
+                ms = median_ms(step, 3 if smoke else 10, 2, device=device)
                 rows.append([kind, name, scan, f"{ms:.2f}"])
                 data.append(dict(kind=kind, layout=name, scan=scan, fwd_bwd_ms=ms))
         cu = list(range(0, per_rank + 1, doc))
@@ -390,7 +376,7 @@ def section_layer(ctx) -> tuple[str, dict]:
             )
             out.backward(leaves["w"])
 
-        ms = timed_ms(local_only, device, 3 if smoke else 10, 2)
+        ms = median_ms(local_only, 3 if smoke else 10, 2, device=device)
         rows.append([kind, "kernel alone (4 docs)", "-", f"{ms:.2f}"])
         data.append(dict(kind=kind, layout="kernel alone", scan="-", fwd_bwd_ms=ms))
     md = (
@@ -475,7 +461,7 @@ def section_model(ctx) -> tuple[str, dict]:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         loss = float(step().detach())
-        ms = timed_ms(step, device, 2 if smoke else 5, 1)
+        ms = median_ms(step, 2 if smoke else 5, 1, device=device)
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
         rows.append([name, "yes" if cut else "no", f"{loss:.4f}", f"{ms:.1f}", f"{peak:.1f}"])
         data.append(dict(layout=name, documents_cut=cut, loss=loss, step_ms=ms, peak_gib=peak))

@@ -49,8 +49,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_remat import (  # noqa: E402
+from common import (  # noqa: E402
     LossModel,
+    add_step_arguments,
     barrier,
     build_batches,
     build_model,
@@ -60,7 +61,7 @@ from bench_remat import (  # noqa: E402
     set_mode,
     timed_steps,
 )
-from bench_remat import write_outputs as write_results  # noqa: E402
+from common import write_outputs as write_results  # noqa: E402
 
 from hf_distca import DistCAConfig, enable_distca  # noqa: E402
 from hf_distca.comm import signal_only  # noqa: E402
@@ -231,10 +232,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--link", default="nvlink", help="label of the link in the report (e.g. nvlink, p2p-disabled)"
     )
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--loss-chunk", type=int, default=8192)
-    p.add_argument("--seed", type=int, default=0)
+    add_step_arguments(p)
     p.add_argument(
         "--layout",
         choices=sorted(LAYOUTS),

@@ -27,231 +27,38 @@ compared with ``recompute``.
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.util
-import json
 import os
 import shlex
 import statistics
 import sys
 import time
-import warnings
 
-import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
-import hf_distca
-from hf_distca import DistCAConfig, core_attention, enable_distca, metrics
-from hf_distca.data import DistCABatches, documents_with_lengths
-from hf_distca.data.baselines import LAYOUTS
-from hf_distca.data.rebatch import LayoutFn
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+from common import (  # noqa: E402
+    LossModel,
+    add_step_arguments,
+    barrier,
+    build_batches,
+    build_model,
+    init_distributed,
+    load_lengths,
+    long_share,
+    max_over_ranks,
+    run_mode,
+    select_device,
+    set_mode,
+)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VOCAB_DOCS = 32000  # token ids of the generated documents (the model's vocabulary stays 128K)
+from hf_distca import DistCAConfig, core_attention, enable_distca  # noqa: E402
+from hf_distca.data.baselines import LAYOUTS  # noqa: E402
+
 MODES = ("remat", "recompute", "none")
 DEVICE = torch.device("cuda")
 DTYPE = torch.bfloat16
-
-
-def recipe_model_shape(name: str) -> dict:
-    spec = importlib.util.spec_from_file_location(
-        "recipe", os.path.join(ROOT, "recipes", "finetune_long_docs.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return dict(module.BUILTIN_MODELS[name])
-
-
-def long_document_mix(seed: int) -> list[int]:
-    """Generated lengths: ~2/3 of the tokens in documents of 16K-128K (log-uniform), the rest short
-    (log-normal, median 1.5K)."""
-    rng = np.random.default_rng(seed)
-    long = np.exp(rng.uniform(np.log(16384), np.log(131072), 300)).astype(np.int64)
-    short = np.clip(rng.lognormal(np.log(1500), 1.0, 3000), 32, 16383).astype(np.int64)
-    return [int(x) for x in np.concatenate([long, short])]
-
-
-def load_lengths(spec: str, seed: int) -> tuple[str, list[int]]:
-    if spec == "mix":
-        return "mix", long_document_mix(seed)
-    name, _, path = spec.partition("=")
-    if not path:
-        name, path = os.path.splitext(os.path.basename(spec))[0], spec
-    with open(path) as f:
-        return name, [int(x) for x in json.load(f)]
-
-
-class LossModel(torch.nn.Module):
-    """Causal LM whose token-weighted cross-entropy is computed in chunks (logits recomputed in backward)."""
-
-    def __init__(self, lm: torch.nn.Module, chunk: int):
-        super().__init__()
-        self.lm, self.chunk = lm, chunk
-
-    @staticmethod
-    def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logits = (hidden @ weight.t()).float()  # (c, V)
-        return F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
-
-    def forward(self, input_ids, position_ids, shift_labels, distca_layout, num_targets: int):
-        hidden = self.lm.model(
-            input_ids=input_ids, position_ids=position_ids, distca_layout=distca_layout, use_cache=False
-        ).last_hidden_state[0]  # (T, H)
-        labels = shift_labels[0]
-        weight = self.lm.lm_head.weight
-        total = hidden.new_zeros((), dtype=torch.float32)
-        for start in range(0, hidden.shape[0], self.chunk):
-            piece = slice(start, start + self.chunk)
-            total = total + checkpoint(
-                self._chunk_loss, hidden[piece], weight, labels[piece], use_reentrant=False
-            )
-        return total / max(num_targets, 1)
-
-
-def set_mode(lm: torch.nn.Module, mode: str) -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        disable = getattr(lm, "activation_checkpointing_disable", None) or lm.gradient_checkpointing_disable
-        disable()
-        if mode == "recompute":
-            kwargs = {"use_reentrant": False}
-            if hasattr(lm, "activation_checkpointing_enable"):
-                lm.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-            else:
-                lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        elif mode == "remat":
-            hf_distca.enable_remat_checkpointing(lm)
-
-
-def max_over_ranks(values: list[float], device: torch.device) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
-def barrier(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def select_device(cpu: bool) -> tuple[torch.device, torch.dtype] | None:
-    """(device, dtype) of this benchmark process: the CPU in float32 for a smoke test, else its local
-    CUDA GPU (LOCAL_RANK) in bfloat16; None when there is no CUDA GPU."""
-    if cpu:
-        return torch.device("cpu"), torch.float32
-    if not torch.cuda.is_available():
-        return None
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank), torch.bfloat16
-
-
-def build_model(name: str, layers: int, seed: int, device: torch.device, dtype: torch.dtype):
-    """The recipe's built-in model ``name`` cut to ``layers`` decoder layers, random init from ``seed``,
-    with the ``distca`` attention, no KV cache."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    shape = recipe_model_shape(name)
-    shape["num_hidden_layers"] = layers
-    shape.setdefault("vocab_size", VOCAB_DOCS)
-    config = LlamaConfig(**shape, tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    with torch.device(device):
-        lm = AutoModelForCausalLM.from_config(config, attn_implementation="distca", dtype=dtype)
-    lm.config.use_cache = False
-    return lm
-
-
-def build_batches(
-    sample: list[int],
-    tokens_per_rank: int,
-    count: int,
-    *,
-    rank: int,
-    world: int,
-    seed: int,
-    layout: LayoutFn,
-    device: torch.device,
-) -> list[dict]:
-    """This rank's first ``count`` micro-batches of documents drawn (seeded) from the length ``sample``,
-    placed on the ranks by ``layout`` (hf_distca.data.baselines.LAYOUTS), moved to ``device``."""
-    rng = np.random.default_rng(seed)
-    wanted = count * tokens_per_rank * world * 3
-    lengths: list[int] = []
-    while sum(lengths) < wanted:
-        lengths += rng.choice(np.asarray(sample), size=256).tolist()
-    docs = documents_with_lengths(lengths, vocab_size=VOCAB_DOCS, seed=seed)
-    source = DistCABatches(
-        docs, rank=rank, world_size=world, tokens_per_rank=tokens_per_rank, seed=seed, layout=layout
-    )
-    batches = []
-    for batch in source:
-        batches.append(
-            {
-                "input_ids": batch["input_ids"].to(device),
-                "position_ids": batch["position_ids"].to(device),
-                "shift_labels": batch["shift_labels"].to(device),
-                "distca_layout": batch["distca_layout"],
-                "num_targets": int(batch["shift_labels"].ne(-100).sum()),
-            }
-        )
-        if len(batches) == count:
-            break
-    return batches
-
-
-def timed_steps(step, batches, warmup: int, device: torch.device) -> dict:
-    """Run ``step(batch)`` on every batch; after ``warmup`` of them: median step time (slowest rank),
-    peak memory, forward kernel runs and bytes sent per step (max over ranks), planned imbalance."""
-    times, kernels, sent, imbalance = [], [], [], []
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.empty_cache()
-    for i, batch in enumerate(batches):
-        if i == warmup and cuda:
-            torch.cuda.reset_peak_memory_stats()
-        barrier(device)
-        metrics.reset()
-        start = time.perf_counter()
-        step(batch)
-        barrier(device)
-        elapsed = time.perf_counter() - start
-        stats = metrics.snapshot()
-        if i >= warmup:
-            times.append(elapsed)
-            kernels.append(stats.attn_fwd_kernels)
-            sent.append(stats.bytes_sent)
-            imbalance.append((stats.imbalance_before, stats.imbalance_after))
-    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
-    step_times = [max_over_ranks([t], device)[0] for t in times]
-    peak_max, kernels_max, sent_max = max_over_ranks([peak, float(max(kernels)), float(max(sent))], device)
-    return {
-        "step_s": statistics.median(step_times),
-        "steps": step_times,
-        "peak_gib": peak_max,
-        "kernels": int(kernels_max),
-        "sent_gib": sent_max / 2**30,
-        "imbalance": imbalance[0],
-    }
-
-
-def run_mode(model, lm, opt, batches, mode: str, warmup: int) -> dict:
-    set_mode(lm, mode)
-    lm.train()
-
-    def step(batch: dict) -> None:
-        loss = model(**batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return timed_steps(step, batches, warmup, DEVICE)
 
 
 def attention_forward_seconds(
@@ -278,19 +85,6 @@ def attention_forward_seconds(
     return statistics.median(times)
 
 
-def long_share(batches, threshold: int = 16384) -> float:
-    """Share of the batches' tokens in documents of >= threshold tokens (padding counts as short)."""
-    long_tokens = total = 0
-    for batch in batches:
-        lengths: dict[int, int] = {}
-        for rank_pieces in batch["distca_layout"].all_pieces:
-            for doc, start, n in rank_pieces:
-                lengths[doc] = max(lengths.get(doc, 0), start + n)
-        total += sum(lengths.values())
-        long_tokens += sum(n for n in lengths.values() if n >= threshold)
-    return long_tokens / max(total, 1)
-
-
 def build_parser() -> argparse.ArgumentParser:
     """bench_remat's options (also read by check_simulator.py from a results table's command)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -308,10 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         "and is labelled 'mode (backend)'",
     )
     p.add_argument("--skip-none-for", default="", help="comma-separated sample names where 'none' is not run")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--loss-chunk", type=int, default=8192)
-    p.add_argument("--seed", type=int, default=0)
+    add_step_arguments(p)
     p.add_argument(
         "--layout",
         choices=sorted(LAYOUTS),
@@ -338,12 +129,7 @@ def main() -> int:
         return 2
     DEVICE, DTYPE = selected
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        backend = "gloo" if args.cpu else "nccl"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=180))
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    group = dist.group.WORLD if dist.is_initialized() else None
+    rank, world, group = init_distributed(args.cpu, timeout_s=180)
 
     lm = build_model(args.model, args.layers, args.seed, DEVICE, DTYPE)
     config = lm.config
@@ -379,7 +165,7 @@ def main() -> int:
                     results[name]["modes"][key] = {"skipped": True}
                     continue
                 try:
-                    results[name]["modes"][key] = run_mode(model, lm, opt, batches, mode, args.warmup)
+                    results[name]["modes"][key] = run_mode(model, lm, opt, batches, mode, args.warmup, DEVICE)
                 except torch.cuda.OutOfMemoryError:
                     if world > 1:
                         raise  # the other ranks may be inside a collective: stop the job
@@ -410,17 +196,9 @@ def main() -> int:
     return 0
 
 
-def write_outputs(results: dict, args, world: int, config, render=None) -> str:
-    """(Re)write the markdown table (``render``, default this script's :func:`report`) and the JSON of the
-    results so far to ``args.out`` / ``args.json``; return the table."""
-    text = (render or report)(results, args, world, config)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-    return text
+def write_outputs(results: dict, args, world: int, config) -> str:
+    """common.write_outputs with this script's :func:`report`."""
+    return common.write_outputs(results, args, world, config, render=report)
 
 
 def report(results: dict, args, world: int, config) -> str:

@@ -14,7 +14,7 @@ tokens per rank, the DistCA layout) trained with each mode:
 - ``sdpa``: Transformers' SDPA on each rank's packed tokens (its sliding-window and document masks
   built from the position ids; pieces of documents cut over ranks attend only locally).
 
-A step is forward + backward (bench_remat.LossModel: chunked cross-entropy) + SGD update, with
+A step is forward + backward (common.LossModel: chunked cross-entropy) + SGD update, with
 rematerialization-aware checkpointing for distca and cut-to-window and Transformers' activation
 checkpointing for sdpa (``--checkpointing none`` turns both off). Reported: median step time (slowest
 rank) after ``--warmup``, peak memory, tokens per second; a mode that fails (e.g. SDPA's 64K x 64K masks
@@ -28,7 +28,6 @@ out of memory) is reported as its error.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import shlex
 import sys
@@ -39,7 +38,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_remat  # noqa: E402
+import common  # noqa: E402
 
 import hf_distca  # noqa: E402
 from hf_distca import DistCAConfig, enable_distca  # noqa: E402
@@ -53,7 +52,7 @@ def recipe_config(name: str, layers: int, vocab: int):
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
-        "recipe", os.path.join(bench_remat.ROOT, "recipes", "finetune_long_docs.py")
+        "recipe", os.path.join(common.ROOT, "recipes", "finetune_long_docs.py")
     )
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)
@@ -82,11 +81,8 @@ def main() -> int:
     p.add_argument("--doc-lengths", default="mix", help="'mix' or [name=]path.json")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
     p.add_argument("--checkpointing", choices=("on", "none"), default="on")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--loss-chunk", type=int, default=8192)
+    common.add_step_arguments(p)
     p.add_argument("--backend", default="auto", help="DistCAConfig.backend")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="markdown file for the table (rank 0)")
     p.add_argument(
         "--cpu", action="store_true", help="smoke test: tiny-gemma3, 1024 tokens, float32 on the CPU"
@@ -95,23 +91,18 @@ def main() -> int:
     if args.cpu:
         args.model, args.layers, args.tokens_per_rank = "tiny-gemma3", 3, min(args.tokens_per_rank, 1024)
         args.warmup, args.steps, args.loss_chunk = 0, 1, 512
-    selected = bench_remat.select_device(args.cpu)
+    selected = common.select_device(args.cpu)
     if selected is None:
         print("bench_window_step.py needs CUDA GPUs (or --cpu for a smoke test)", file=sys.stderr)
         return 2
     device, dtype = selected
-    bench_remat.DEVICE, bench_remat.DTYPE = device, dtype
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        dist.init_process_group("gloo" if args.cpu else "nccl", timeout=datetime.timedelta(seconds=300))
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    group = dist.group.WORLD if dist.is_initialized() else None
+    rank, world, group = common.init_distributed(args.cpu)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    config = recipe_config(args.model, args.layers, bench_remat.VOCAB_DOCS)
+    config = recipe_config(args.model, args.layers, common.VOCAB_DOCS)
     window = config.sliding_window
     windows = hf_distca.features.layer_windows(config)
-    name, sample = bench_remat.load_lengths(args.doc_lengths, args.seed)
-    batches = bench_remat.build_batches(
+    name, sample = common.load_lengths(args.doc_lengths, args.seed)
+    batches = common.build_batches(
         sample, args.tokens_per_rank, args.warmup + args.steps, rank=rank, world=world, seed=args.seed,
         layout=LAYOUTS["distca"], device=device,
     )  # fmt: skip
@@ -125,13 +116,13 @@ def main() -> int:
             lm.config.use_cache = False
             if attn == "distca":  # cut-to-window: the runtime only picks the kernel (no layout: local)
                 enable_distca(lm, group=group, config=DistCAConfig(backend=args.backend))
-            model = bench_remat.LossModel(lm, args.loss_chunk)
+            model = common.LossModel(lm, args.loss_chunk)
             opt = torch.optim.SGD(lm.parameters(), lr=1e-6)
             check = "none" if args.checkpointing == "none" else ("recompute" if mode == "sdpa" else "remat")
             runs = batches if mode == "distca" else [cut_to_window(b, window) for b in batches]
             if mode == "sdpa":
                 runs = [dict(b, distca_layout=None) for b in batches]
-            results[mode] = bench_remat.run_mode(model, lm, opt, runs, check, args.warmup)
+            results[mode] = common.run_mode(model, lm, opt, runs, check, args.warmup, device)
             del lm, model, opt
         except Exception as err:  # one failing mode (out of memory) must not hide the others
             traceback.print_exc()

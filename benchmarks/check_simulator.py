@@ -2,7 +2,7 @@
 
 Reads the step times that benchmarks/bench_remat.py measured (markdown files of benchmarks/results/, e.g.
 remat_2xh200.md and cudnn_step_2xh200.md), rebuilds from each table's own command the micro-batches that
-run trained (bench_remat.build_batches on the CPU: the same seeded document draw, the same DistCABatches
+run trained (common.build_batches on the CPU: the same seeded document draw, the same DistCABatches
 layout), plans each with DistCA's planner under the config bench_remat's engine ran
 (``DistCAConfig(backend=...)``, everything else default) and prices the plan with the simulator's model
 (simulate.price_plan: the torch_varlen kernel table, the linear non-attention fit, the NVLink all-to-all
@@ -36,7 +36,8 @@ from dataclasses import dataclass
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_remat  # noqa: E402
+import bench_remat  # noqa: E402  (its command-line parser: the results tables hold its commands)
+import common  # noqa: E402
 import simulate as sim  # noqa: E402
 
 from hf_distca.config import DistCAConfig  # noqa: E402
@@ -127,7 +128,7 @@ def rebuild_layouts(
 ) -> list[tuple[tuple[tuple[int, int, int], ...], ...]]:
     """All ranks' pieces of the first ``count`` micro-batches bench_remat trains (its own build_batches,
     on the CPU; every rank's copy holds every rank's pieces, so rank 0's suffices)."""
-    batches = bench_remat.build_batches(
+    batches = common.build_batches(
         sample, tokens_per_rank, count, rank=0, world=world, seed=seed, layout=LAYOUTS[layout],
         device=torch.device("cpu"),
     )  # fmt: skip
@@ -200,7 +201,7 @@ def check(measured: Sequence[Measured], specs: dict[str, str]) -> list[tuple[Mea
         key = (row.sample, row.world, row.backend, args.layers, args.tokens_per_rank, args.warmup, args.steps,
                args.seed, args.layout)  # fmt: skip
         if key not in cache:
-            sample = bench_remat.load_lengths(specs[row.sample], args.seed)[1]
+            sample = common.load_lengths(specs[row.sample], args.seed)[1]
             layouts = rebuild_layouts(
                 sample, world=row.world, tokens_per_rank=args.tokens_per_rank, count=args.warmup + args.steps,
                 seed=args.seed, layout=args.layout,

@@ -34,7 +34,8 @@ bandwidth per GPU) and prices every rank's work:
   the kernel table's attention (forward twice + backward) that leaves ~1.26 s for every mix; and an
   8-layer run's non-attention part was ~2.3 s per 64K tokens): ~3.97 us per token per layer plus
   ~3.4 us per token, with activation checkpointing (overridable).
-- communication (DistCA's engine: all-to-all-v per layer; bytes per the engine's docstring: forward Q +
+- communication (DistCA's engine: all-to-all-v per layer; bytes per the traffic ledger,
+  hf_distca.planning.traffic: forward Q +
   KV out and outputs back, backward Q, output, output gradient, KV out and dQ, dK, dV back; plain
   recompute adds another forward): each all-to-all phase lasts as long as its slowest rank, whose
   NVLink traffic (per-rank volume -> GiB/s interpolated in log-log from the measured 2-GPU NCCL
@@ -82,6 +83,14 @@ from hf_distca.data.baselines import LAYOUTS
 from hf_distca.planning import MeasuredCost, plan_core_attention
 from hf_distca.planning.cost import causal_pairs
 from hf_distca.planning.links import attention_flops_per_pair
+from hf_distca.planning.traffic import (
+    INTER,
+    INTRA,
+    forward_phases,
+    link_classes,
+    phase_matrices,
+    plan_matrices,
+)
 from hf_distca.planning.window import kv_start
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -268,8 +277,8 @@ class Links:
         """Duration of one all-to-all: ``matrix[src, dst]`` bytes; the slowest rank, its NVLink and
         inter-node traffic moving at the same time, sending and receiving at the same time."""
         world = matrix.shape[0]
-        node = np.arange(world) // self.gpus_per_node
-        same = node[:, None] == node[None, :]
+        ranks = np.arange(world)
+        same = link_classes(ranks[:, None], ranks[None, :], self.gpus_per_node) == INTRA
         off = matrix * (1 - np.eye(world))
         intra = np.maximum((off * same).sum(1), (off * same).sum(0))
         inter = np.maximum((off * ~same).sum(1), (off * ~same).sum(0))
@@ -352,29 +361,16 @@ def kv_fanout(plan) -> int:
 
 def traffic(plan, q_row_bytes: int, kv_row_bytes: int) -> tuple[np.ndarray, np.ndarray]:
     """(Q, KV): bytes of query rows / key rows (the plan's key ranges: KV prefixes without a sliding
-    window) that rank h (row) holds for server s (column)."""
-    world = plan.world_size
-    q = np.zeros((world, world))
-    kv = np.zeros((world, world))
-    for server, tasks in enumerate(plan.tasks):
-        for t in tasks:
-            for holder, _, n in plan.index.segments(t.doc_id, t.q_start, t.q_end):
-                if holder != server:
-                    q[holder, server] += n * q_row_bytes
-        for doc, ranges in plan.kv_ranges[server].items():
-            for lo, hi in ranges:
-                for holder, _, n in plan.index.segments(doc, lo, hi):
-                    if holder != server:
-                        kv[holder, server] += n * kv_row_bytes
-    return q, kv
+    window) that rank h (row) holds for server s (column); the traffic ledger's (hf_distca.planning.traffic)."""
+    return plan_matrices(plan, q_row_bytes, kv_row_bytes)
 
 
 def phases(q: np.ndarray, kv: np.ndarray, recompute: str) -> list[np.ndarray]:
-    """The all-to-all phases of one layer (DistCA's engine, hf_distca.engine): forward dispatch (Q, K,
-    V) and return (outputs); backward dispatch (Q, output, output gradient, K, V) and return (dQ, dK, dV);
-    plain recompute runs the forward's two phases again."""
-    forward = [q + kv, q.T]
-    backward = [3 * q + kv, (q + kv).T]
+    """The all-to-all phases of one layer as the ledger lists them (hf_distca.planning.traffic: forward
+    dispatch and return, backward dispatch and return); plain recompute runs the forward's phases again."""
+    per_phase = phase_matrices(q, kv)
+    forward = [m for m, f in zip(per_phase, forward_phases(), strict=True) if f]
+    backward = [m for m, f in zip(per_phase, forward_phases(), strict=True) if not f]
     return forward + (forward if recompute == "full" else []) + backward
 
 
@@ -455,8 +451,9 @@ def price_plan(plan, s: Setting) -> MicroBatch:
     layer_phases = phases(q, kv, s.recompute)
     comm = layers * sum(s.links.phase_seconds(m) for m in layer_phases)
     sent = layers * sum(m.sum(1) - np.diag(m) for m in layer_phases)
-    node = np.arange(s.world) // s.links.gpus_per_node
-    inter = layers * sum(float(m[node[:, None] != node[None, :]].sum()) for m in layer_phases)
+    ranks = np.arange(s.world)
+    across = link_classes(ranks[:, None], ranks[None, :], s.links.gpus_per_node) == INTER
+    inter = layers * sum(float(m[across].sum()) for m in layer_phases)
     return MicroBatch(linear, attention, comm, sent, inter, kv_fanout(plan))
 
 

@@ -41,7 +41,6 @@ from hf_distca.packing import (
     Unpadded,
     cu_seqlens_from_lengths,
     packed_document_lengths,
-    pieces_from_lengths,
     scatter_rows,
     unpad,
 )
@@ -167,7 +166,6 @@ def distca_padding_mask(
 class _LocalBatch:
     lengths: list[int]
     unpadded: Unpadded | None
-    pieces: list[tuple[int, int, int]]
     max_len: int
     cu_seqlens: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -278,7 +276,6 @@ def _local_batch(batch: int, seq: int, mask: torch.Tensor | None, kwargs: dict) 
     value = _LocalBatch(
         lengths=lengths,
         unpadded=unpadded,
-        pieces=pieces_from_lengths(lengths),
         max_len=max(lengths, default=0),
     )
     _batch_cache.put((batch, seq), sources, value)

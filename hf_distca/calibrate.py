@@ -22,7 +22,8 @@ from collections.abc import Sequence
 import torch
 
 from hf_distca.config import KERNEL_BACKENDS
-from hf_distca.kernels import resolve_backend, varlen_attention
+from hf_distca.engine import local_attention
+from hf_distca.kernels import resolve_backend
 from hf_distca.planning.cost import MeasuredCost, write_cost_table
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -58,7 +59,7 @@ def time_task(
     dout = torch.randn_like(q) if backward else None
 
     def run() -> None:
-        out = varlen_attention(q, k, v, cu_q, cu_k, q_len, kv_len, backend=backend)
+        out = local_attention(q, k, v, cu_q, cu_k, q_len, kv_len, backend=backend)
         if backward:
             torch.autograd.grad(out, (q, k, v), dout)
 

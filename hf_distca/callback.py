@@ -18,16 +18,17 @@ import statistics
 import time
 
 import torch
-import torch.distributed as dist
 from transformers import TrainerCallback
 
 from hf_distca import metrics
 from hf_distca.attention import enable_distca
 from hf_distca.checkpointing import switch_trainer_checkpointing
+from hf_distca.comm import all_gather_rows
 from hf_distca.config import DistCAConfig
 from hf_distca.data.loader import DistCABatches, DistCADataLoader, TokenDocuments
 from hf_distca.data.rebatch import LayoutFn, layout_balanced, layout_pieces
 from hf_distca.features import layer_windows
+from hf_distca.planning import forward_flops_per_pair, imbalance
 from hf_distca.validation import (
     attention_server_group,
     check_launch,
@@ -123,11 +124,15 @@ class DistCACallback(TrainerCallback):
         self._windows: list[int | None] = []  # per layer, for the attention load before balancing
 
     # ------------------------------------------------------------------ DistCATrainer's side
-    def _bind(self, trainer) -> None:
-        """Called by DistCATrainer before anything else: the trainer this callback serves."""
+    def attach(self, trainer, *, args=None, model=None) -> None:
+        """Called by DistCATrainer before anything else: the trainer this callback serves. With ``args``
+        and ``model`` (a trainer already constructed: ``add_callback``), the pre-flight checks and the
+        data path run now; otherwise at the trainer's ``on_init_end``."""
         if self._trainer is not None and self._trainer is not trainer:
             raise ValueError("this DistCACallback already belongs to another trainer; create one per trainer")
         self._trainer = trainer
+        if args is not None:
+            self._prepare(args, model)
 
     def _prepare(self, args, model) -> None:
         """Pre-flight checks and the data path; at construction (or add_callback) of the trainer."""
@@ -172,10 +177,11 @@ class DistCACallback(TrainerCallback):
             )
         self.batches = batches
 
-    def _train_dataloader(self) -> DistCADataLoader:
+    def train_dataloader(self) -> DistCADataLoader:
+        """This rank's DistCA micro-batches, for ``Trainer.get_train_dataloader``."""
         return DistCADataLoader(self.batches)
 
-    def _add_loss(self, loss: torch.Tensor) -> None:
+    def record_loss(self, loss: torch.Tensor) -> None:
         """One micro-batch's loss as ``Trainer.training_step`` returns it (summed over the step)."""
         loss = loss.detach()
         self._step_loss = loss if self._step_loss is None else self._step_loss + loss
@@ -208,8 +214,7 @@ class DistCACallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self._trainer is None or self.batches is None:
             raise RuntimeError(NEEDS_DISTCA_TRAINER)
-        world = max(args.world_size, 1)
-        _check_same_documents(self.batches.documents.lengths, world)
+        _check_same_documents(self.batches.documents.lengths)
         if self.disaggregate:
             enable_distca(model, group=self._group, config=self.config)
         if not self.recompute_attention:
@@ -219,7 +224,7 @@ class DistCACallback(TrainerCallback):
         head_dim = getattr(cfg, "head_dim", None) or (getattr(cfg, "hidden_size", 0) // max(heads, 1))
         self._layers = getattr(cfg, "num_hidden_layers", 0) or 0
         self._windows = layer_windows(cfg) if cfg is not None else []
-        self._flops_per_pair = 4.0 * heads * head_dim
+        self._flops_per_pair = forward_flops_per_pair(heads, head_dim)
         self.records, self._unlogged = [], []
         if args.process_index == 0 and self.metrics_file:
             self._start_metrics_file(args, state.global_step)
@@ -251,10 +256,8 @@ class DistCACallback(TrainerCallback):
         int_names = [k for k, v in counters.items() if isinstance(v, int)]
         float_names = [k for k, v in counters.items() if not isinstance(v, int)]
         loss = float(self._step_loss) if self._step_loss is not None else float("nan")
-        ints = _gather(torch.tensor([counters[k] for k in int_names], dtype=torch.int64), world)
-        floats = _gather(
-            torch.tensor([elapsed, loss, *(counters[k] for k in float_names)], dtype=torch.float64), world
-        )
+        ints = all_gather_rows([counters[k] for k in int_names])
+        floats = all_gather_rows([elapsed, loss, *(counters[k] for k in float_names)], dtype=torch.float64)
         step, windows = self.batches.current_step, self._windows  # every layer's pairs, its own window
         before = [p * self._flops_per_pair for p in self.batches.layout_load(step, windows=windows)]
         token_layout = self.batches.layout_load(step, layout=layout_pieces, windows=windows)
@@ -272,10 +275,10 @@ class DistCACallback(TrainerCallback):
             "step_time_s": max(row[0] for row in floats),
             "attn_flops_before": before,
             "attn_flops_after": after,
-            "imbalance_before": _imbalance(before),
-            "imbalance_after": _imbalance(after),
+            "imbalance_before": imbalance(before),
+            "imbalance_after": imbalance(after),
             # the same documents placed by the token-only rebatcher (whole documents where they fit)
-            "imbalance_token_layout": _imbalance(token_layout),
+            "imbalance_token_layout": imbalance(token_layout),
         }
         for i, name in enumerate(int_names):
             record[_RECORD_KEYS.get(name, name)] = [int(row[i]) for row in ints]
@@ -333,29 +336,12 @@ def _read_records(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _imbalance(values: list[float]) -> float:
-    """max / mean over ranks (1.0 when there is no work)."""
-    total = sum(values)
-    return max(values) / (total / len(values)) if values and total > 0 else 1.0
-
-
-def _check_same_documents(lengths: list[int], world: int) -> None:
+def _check_same_documents(lengths: list[int]) -> None:
     """Every rank must plan from the same documents; compare a digest of their lengths."""
     digest = int.from_bytes(hashlib.sha256(repr(lengths).encode()).digest()[:7], "big")
-    seen = [int(row[0]) for row in _gather(torch.tensor([digest], dtype=torch.int64), world)]
+    seen = [int(row[0]) for row in all_gather_rows([digest])]
     if len(set(seen)) != 1:
         raise RuntimeError(
             "ranks see different training documents (their token lengths differ); every rank must load and "
             "tokenize the same dataset in the same order (same tokenizer, no per-rank shuffling)"
         )
-
-
-def _gather(values: torch.Tensor, world: int) -> list[list]:
-    """Every rank's 1-D ``values`` (same length and dtype on all ranks), as Python numbers per rank."""
-    if world == 1 or not (dist.is_available() and dist.is_initialized()):
-        return [values.tolist()]
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    values = values.to(device)
-    out = [torch.empty_like(values) for _ in range(world)]
-    dist.all_gather(out, values)
-    return [t.tolist() for t in out]

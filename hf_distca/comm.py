@@ -1,4 +1,5 @@
-"""All-to-all-v of flat buffers: the only collective in the per-layer path of the engine.
+"""Collectives: all-to-all-v of flat buffers (the only collective in the per-layer path of the engine) and
+the small all-gathers of set-up and metrics (:func:`all_gather_rows`, :func:`all_gather_padded`).
 
 Explicit and outside autograd: the engine's operator calls it in forward and backward and decides
 what travels. The process group is always passed in. With ``async_op=True`` the exchange is only
@@ -23,6 +24,53 @@ import torch
 import torch.distributed as dist
 
 from hf_distca import metrics
+
+
+def group_rank_world(group: Any) -> tuple[int, int]:
+    """This process's rank in ``group`` and the group's size (0, 1 without torch.distributed)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise RuntimeError("a process group was passed but torch.distributed is not initialized")
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def collective_device(group: Any, device: torch.device) -> torch.device:
+    """Where a collective on ``group`` wants its tensors (CUDA for NCCL, the CPU for gloo)."""
+    backend = dist.get_backend(group)
+    if backend == "nccl":
+        return device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+    if backend == "gloo":
+        return torch.device("cpu")
+    return device
+
+
+def all_gather_rows(
+    row: list, group: Any = None, device: torch.device | None = None, dtype: torch.dtype = torch.int64
+) -> list[list]:
+    """Every rank's equal-length ``row`` of numbers in rank order (one all-gather, one host synchronisation;
+    ``[row]`` on one process or without torch.distributed)."""
+    _, world = group_rank_world(group)
+    if world == 1:
+        return [list(torch.tensor(row, dtype=dtype).tolist())]
+    mine = torch.tensor(row, dtype=dtype, device=collective_device(group, device or torch.device("cpu")))
+    everyone = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine, group=group)
+    return torch.stack(everyone).cpu().tolist()
+
+
+def all_gather_padded(
+    x: torch.Tensor, counts: list[int], group: Any, device: torch.device | None = None
+) -> list[torch.Tensor]:
+    """Every rank's ``x`` (``counts[r]`` rows on rank r, the same trailing shape), in rank order: padded to
+    ``max(counts)`` rows for one all-gather (on ``device``, default x's), then cut back."""
+    if len(counts) == 1:  # a single process: nothing to gather (works without torch.distributed)
+        return [x]
+    padded = x.new_zeros((max(max(counts), 1), *x.shape[1:]), device=device or x.device)
+    padded[: x.shape[0]] = x
+    gathered = [torch.empty_like(padded) for _ in counts]
+    dist.all_gather(gathered, padded.contiguous(), group=group)
+    return [g[:n] for g, n in zip(gathered, counts, strict=True)]
 
 
 @dataclass
@@ -67,10 +115,12 @@ def all_to_all_v(
     group: Any,
     *,
     async_op: bool = False,
+    phase: str | None = None,
 ) -> Exchange:
     """Send ``send_splits[r]`` elements of the 1-D buffer ``send`` to rank r of ``group`` and receive
     ``recv_splits[r]`` elements from it (in rank order). Every rank of the group must call it with
-    matching splits. Not differentiable."""
+    matching splits. Not differentiable. ``phase``: the name its bytes are counted under in
+    :mod:`hf_distca.metrics` (the engine's phases of the traffic ledger)."""
     if send.dim() != 1:
         raise ValueError(f"all_to_all_v sends a flat buffer, got shape {tuple(send.shape)}")
     if sum(send_splits) != send.numel():
@@ -78,7 +128,7 @@ def all_to_all_v(
             f"send splits sum to {sum(send_splits)} but the buffer holds {send.numel()} elements"
         )
     if _signal_only:
-        return _signal(send, recv_splits, group, async_op)
+        return _signal(send, recv_splits, group, async_op, phase)
     send = send.contiguous()
     recv = send.new_empty(sum(recv_splits))
     work = dist.all_to_all_single(
@@ -89,17 +139,18 @@ def all_to_all_v(
         group=group,
         async_op=async_op,
     )
-    metrics.record_bytes_sent(sum(send_splits) * send.element_size())
-    metrics.record_bytes_received(sum(recv_splits) * send.element_size())
+    elem = send.element_size()
+    metrics.record_bytes(sum(send_splits) * elem, sum(recv_splits) * elem, phase)
     return Exchange(recv=recv, send=send, work=work if async_op else None)
 
 
-def _signal(send: torch.Tensor, recv_splits: list[int], group: Any, async_op: bool) -> Exchange:
+def _signal(
+    send: torch.Tensor, recv_splits: list[int], group: Any, async_op: bool, phase: str | None
+) -> Exchange:
     """One byte to and from every rank (see :func:`signal_only`); the received payload reads as zeros."""
     world = len(recv_splits)
     flags = torch.zeros(2 * world, dtype=torch.uint8, device=send.device)  # [sent | received]
     work = dist.all_to_all_single(flags[world:], flags[:world], group=group, async_op=async_op)
-    metrics.record_bytes_sent(world)
-    metrics.record_bytes_received(world)
+    metrics.record_bytes(world, world, phase)
     recv = send.new_zeros(sum(recv_splits))
     return Exchange(recv=recv, send=flags, work=work if async_op else None)

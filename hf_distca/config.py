@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
 # The one list of kernel backend names: "auto", then every backend in the order "auto" prefers them.
 KERNEL_BACKENDS = ("auto", "cudnn", "torch_varlen", "flash_attn", "reference")
-# How ping-pong splits a micro-batch's core attention (see hf_distca.engine.nano).
+# How ping-pong splits a micro-batch's core attention (see hf_distca.planning.nano).
 PING_PONG_SPLITS = ("local_first", "halves")
+# DistCAConfig fields that change how a plan is run or checked, never the plan itself.
+RUN_ONLY_FIELDS = ("backend", "check_consistency", "ping_pong", "ping_pong_split")
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,13 @@ class DistCAConfig:
     needs no exchange in two halves around the work that does (whose exchanges fly during those halves);
     'halves': two nano-batches of equal work, each with its own exchanges (the first one's dispatch and
     the second one's return are not hidden)."""
+
+    def plan_fields(self) -> tuple[tuple[str, object], ...]:
+        """(name, value) of every field that can change the plan (all but ``RUN_ONLY_FIELDS``): what a
+        cached plan is keyed by."""
+        return tuple(
+            (f.name, getattr(self, f.name)) for f in dataclasses.fields(self) if f.name not in RUN_ONLY_FIELDS
+        )
 
     def __post_init__(self) -> None:
         if not (0.0 <= self.tolerance < 10.0):

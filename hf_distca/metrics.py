@@ -4,7 +4,8 @@ FLOPs are forward core-attention FLOPs (4 x heads x head_dim per causal (query, 
 over layers and micro-batches, per server: ``flops_before`` without balancing (each rank its own
 pieces), ``flops_after`` as planned. ``bytes_sent`` (``bytes_received``) counts every byte this
 rank sent (received) for core attention: dispatch and return in forward, their mirrors in backward,
-and any recompute. ``attn_fwd_kernels`` counts core-attention forward kernel runs on this rank (one per
+and any recompute; ``phase_bytes`` the same per phase of the traffic ledger
+(:data:`hf_distca.planning.traffic.PHASES`, as the engine's stages name their exchanges). ``attn_fwd_kernels`` counts core-attention forward kernel runs on this rank (one per
 engine call that has work for this server, one per local call); a rematerialization-aware recompute
 (:mod:`hf_distca.checkpointing`) runs none and counts as ``attn_replays`` instead.
 """
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+
+from hf_distca.planning.tasks import imbalance
 
 
 @dataclass
@@ -31,21 +34,17 @@ class EngineStats:
     flops_after: list[float] = field(default_factory=list)
     bytes_sent: int = 0
     bytes_received: int = 0
+    phase_bytes: dict[str, list[int]] = field(default_factory=dict)
+    """Phase name -> [bytes sent, bytes received] (exchanges started without a phase name: not here)."""
     plan_seconds: float = 0.0
 
     @property
     def imbalance_before(self) -> float:
-        return _imbalance(self.flops_before)
+        return imbalance(self.flops_before)
 
     @property
     def imbalance_after(self) -> float:
-        return _imbalance(self.flops_after)
-
-
-def _imbalance(values: list[float]) -> float:
-    if not values or sum(values) <= 0:
-        return 1.0
-    return max(values) / (sum(values) / len(values))
+        return imbalance(self.flops_after)
 
 
 _lock = threading.Lock()
@@ -84,14 +83,15 @@ def record_plan(seconds: float) -> None:
         _stats.plan_seconds += seconds
 
 
-def record_bytes_sent(n: int) -> None:
+def record_bytes(sent: int, received: int, phase: str | None = None) -> None:
+    """Count one exchange's bytes (under ``phase`` too, when it has a name)."""
     with _lock:
-        _stats.bytes_sent += n
-
-
-def record_bytes_received(n: int) -> None:
-    with _lock:
-        _stats.bytes_received += n
+        _stats.bytes_sent += sent
+        _stats.bytes_received += received
+        if phase is not None:
+            counts = _stats.phase_bytes.setdefault(phase, [0, 0])
+            counts[0] += sent
+            counts[1] += received
 
 
 def snapshot(reset: bool = False) -> EngineStats:
@@ -108,6 +108,7 @@ def snapshot(reset: bool = False) -> EngineStats:
             flops_after=list(_stats.flops_after),
             bytes_sent=_stats.bytes_sent,
             bytes_received=_stats.bytes_received,
+            phase_bytes={k: list(v) for k, v in _stats.phase_bytes.items()},
             plan_seconds=_stats.plan_seconds,
         )
         if reset:

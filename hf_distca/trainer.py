@@ -5,7 +5,8 @@ figures to the logs before the ``report_to`` integrations (callbacks that run be
 receive them. :class:`DistCATrainerMixin` overrides the methods Transformers documents for that
 ("Subclass and override"): ``get_train_dataloader``, ``training_step`` and ``log``, plus
 ``add_callback``; every DistCA setting stays in the one :class:`~hf_distca.callback.DistCACallback`
-the user adds. The mixin goes in front of any ``transformers.Trainer`` subclass:
+the user adds. The two talk through the callback's public methods only: ``attach``,
+``train_dataloader``, ``record_loss`` and ``log_figures``. The mixin goes in front of any ``transformers.Trainer`` subclass:
 ``DistCATrainer(DistCATrainerMixin, Trainer)`` here, ``DistCASFTTrainer(DistCATrainerMixin, SFTTrainer)``
 in :mod:`hf_distca.sft`.
 """
@@ -46,7 +47,7 @@ class DistCATrainerMixin:
         if distca:  # before the Accelerator validates a mesh that DistCA would refuse anyway
             check_parallelism(getattr(bound.arguments.get("args"), "parallelism_config", None))
         for cb in distca:  # before Trainer.__init__, whose on_init_end runs the callback's checks
-            cb._bind(self)
+            cb.attach(self)
         super().__init__(*args, **kwargs)
 
     @property
@@ -70,18 +71,17 @@ class DistCATrainerMixin:
             current = self._distca_callback()
             if current is not None and current is not callback:
                 raise ValueError("this trainer already has a DistCACallback; " + _needs_callback(self))
-            callback._bind(self)
-            callback._prepare(self.args, self.model)
+            callback.attach(self, args=self.args, model=self.model)
         super().add_callback(callback)
 
     def get_train_dataloader(self) -> DistCADataLoader:
         """This rank's DistCA micro-batches (global token-budget batches laid out over the ranks)."""
-        return self.distca_callback._train_dataloader()
+        return self.distca_callback.train_dataloader()
 
     def training_step(self, *args, **kwargs):
         """``Trainer.training_step``; its loss also goes to the callback's per-step record."""
         loss = super().training_step(*args, **kwargs)
-        self.distca_callback._add_loss(loss)
+        self.distca_callback.record_loss(loss)
         return loss
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:

@@ -18,7 +18,7 @@ from transformers import (
 )
 
 import hf_distca
-from hf_distca.data import DistCABatches, layout_micro_batch, layout_pieces
+from hf_distca.data import DistCABatches, layout_balanced, layout_micro_batch, layout_pieces
 from hf_distca.data.synthetic import generate_documents
 from hf_distca.kernels import UnsupportedFeatureError
 from hf_distca.planning import plan_core_attention
@@ -237,6 +237,31 @@ def test_layout_load_is_the_planner_load_before_in_every_mode():
             differs += token_load != load
     assert cut > 0  # documents were cut over ranks: pieces that start mid-document carry context
     assert differs > 0  # the two layouts place some step's documents differently
+
+
+def test_layout_load_reads_the_layouts_the_loader_made():
+    """Once a step's micro-batches are yielded, its default load comes from their layouts: the layout
+    runs once per micro-batch, not again for the metrics (another layout is still computed)."""
+    docs = generate_documents(40, vocab_size=128, seed=3, mean_length=300, max_length=1500)
+    calls = []
+
+    def counted(lengths, **kw):
+        calls.append(len(lengths))
+        return layout_balanced(lengths, **kw)
+
+    batches = DistCABatches(
+        docs, rank=0, world_size=3, tokens_per_rank=256, grad_accum=2, seed=5, layout=counted
+    )
+    fresh = DistCABatches(docs, rank=0, world_size=3, tokens_per_rank=256, grad_accum=2, seed=5)
+    yielded = iter(batches)
+    for _ in batches.step(0):
+        next(yielded)
+    made = len(calls)
+    assert made == len(batches.step(0)) == 2
+    assert batches.layout_load(0) == fresh.layout_load(0) and len(calls) == made
+    assert batches.layout_load(0, layout=layout_pieces) == fresh.layout_load(0, layout=layout_pieces)
+    assert len(calls) == made  # the other layout ran, not this one
+    assert batches.layout_load(1) == fresh.layout_load(1) and len(calls) == made + 2  # not yielded yet
 
 
 def test_tokens_per_rank_below_one_shard():

@@ -1,6 +1,6 @@
 """benchmarks/check_simulator.py: it rebuilds the micro-batches bench_remat trained and reads its tables.
 
-CPU only, no processes. The rebuild is bench_remat's own build_batches on the CPU; what the check relies
+CPU only, no processes. The rebuild is the benchmarks' own build_batches (benchmarks/common.py) on the CPU; what the check relies
 on is that every rank's copy carries every rank's pieces (it reads rank 0's) and that those pieces are the
 tokens each rank trained. The committed 2-GPU measurement pins the whole chain: the plans rebuilt from
 the table's own command send exactly the bytes the GPU run counted and have its imbalance.
@@ -16,8 +16,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-import bench_remat  # noqa: E402
 import check_simulator as cs  # noqa: E402
+import common  # noqa: E402
 import simulate as sim  # noqa: E402
 
 from hf_distca.data.baselines import LAYOUTS  # noqa: E402
@@ -77,7 +77,7 @@ def test_rebuild_is_every_ranks_trained_layout():
     rebuilt = cs.rebuild_layouts(sample, tokens_per_rank=4096, count=3, layout="tokens", **kwargs)
     assert len(rebuilt) == 3
     for rank in range(2):
-        batches = bench_remat.build_batches(
+        batches = common.build_batches(
             sample, 4096, 3, rank=rank, layout=LAYOUTS["tokens"], device=torch.device("cpu"), **kwargs
         )
         for all_pieces, batch in zip(rebuilt, batches, strict=True):

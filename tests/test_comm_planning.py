@@ -31,6 +31,7 @@ from hf_distca.planning import (
     attention_flops_per_pair,
     link_model_from_config,
     plan_critical_path,
+    traffic,
 )
 from hf_distca.planning.cost import write_cost_table
 from hf_distca.planning.links import FWD_BWD_FLOP_RATIO, seconds_per_cost_unit
@@ -104,16 +105,12 @@ def comm_seconds(plan, layout: Layout, config: DistCAConfig) -> float:
         bw = bandwidth[link]
         if bw == math.inf:
             continue
-        mine = phases.setdefault(rank, [0.0] * 4)
-        sends_receives = [
-            (q_out + kv_out, q_in + kv_in),  # forward dispatch
-            (q_in, q_out),  # forward return
-            (3 * q_out + kv_out, 3 * q_in + kv_in),  # backward dispatch
-            (q_in + kv_in, q_out + kv_out),  # backward return
-        ]
+        mine = phases.setdefault(rank, [0.0] * len(traffic.PHASES))
+        # per phase of the traffic ledger, (bytes sent, bytes received) of this rank on this link
+        sends_receives = traffic.phase_bytes(np.array([q_out, kv_out, q_in, kv_in])).tolist()
         for p, (sent, received) in enumerate(sends_receives):
             mine[p] = max(mine[p], max(sent, received) / bw)
-    return sum(max((v[p] for v in phases.values()), default=0.0) for p in range(4))
+    return sum(max((v[p] for v in phases.values()), default=0.0) for p in range(len(traffic.PHASES)))
 
 
 def critical_path(plan, layout: Layout, config: DistCAConfig) -> float:

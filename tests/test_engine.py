@@ -70,6 +70,28 @@ def test_single_process_metrics_and_plan_cache():
     assert s.flops_before == s.flops_after == [3 * 4.0 * 4 * 8 * pairs]
 
 
+def test_plan_cache_is_keyed_by_what_changes_the_plan():
+    """Switching the kernel backend, ping-pong or the consistency check reuses the cached plan; a field
+    that changes the plan (the tolerance) plans again."""
+    clear_plan_cache()
+    metrics.reset()
+    layout = ONE_RANK
+    q_all, k_all, v_all, _ = random_qkv(layout.total, 4, 2, 8, torch.float32, seed=1)
+    rows = torch.as_tensor(layout.rows(0))
+    q, k, v = q_all[rows], k_all[rows], v_all[rows]
+    run_only = [
+        DistCAConfig(),
+        DistCAConfig(backend="reference"),
+        DistCAConfig(ping_pong=True, ping_pong_split="halves"),
+        DistCAConfig(check_consistency=False),
+    ]
+    for config in run_only:
+        core_attention(q, k, v, layout.pieces[0], config=config)
+    assert metrics.snapshot().plans == 1
+    core_attention(q, k, v, layout.pieces[0], config=DistCAConfig(tolerance=0.3))
+    assert metrics.snapshot().plans == 2
+
+
 def test_empty_input():
     q = torch.zeros(0, 4, 8, dtype=torch.float64, requires_grad=True)
     k = torch.zeros(0, 2, 8, dtype=torch.float64, requires_grad=True)

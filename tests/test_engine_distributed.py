@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_distributed
+from engine_bytes import exchange_bytes, nonzero, phase_counts
 from oracle import TOL, Layout, assert_close, named_layouts, oracle_with_grads, random_qkv
 from test_engine_remat import check_remat_case, remat_case
 
@@ -25,7 +26,7 @@ from hf_distca import DistCAConfig, PieceError, core_attention, metrics, plan_co
 from hf_distca import engine as eng
 from hf_distca.engine import clear_plan_cache
 from hf_distca.kernels import reference_varlen_attention
-from hf_distca.planning import attention_flops_per_pair, build_dispatch_index
+from hf_distca.planning import attention_flops_per_pair, build_dispatch_index, forward_flops_per_pair, traffic
 
 D = 8
 HEADS = {"gqa": (4, 2), "mha": (3, 3)}
@@ -221,19 +222,10 @@ def _exact_replay(layout: Layout, plan, q_all, k_all, v_all) -> torch.Tensor:
 
 
 def _exchange_bytes(plan, rank: int, q_row: int, kv_row: int) -> dict[str, int]:
-    """Bytes one engine call moves for ``rank``, from its dispatch index (q_row: bytes of one query,
-    output or gradient row; kv_row: bytes of one token's key plus value)."""
+    """Bytes one engine call moves for ``rank``: the ledger's phases over the rows of its dispatch index."""
     ix = build_dispatch_index(plan, rank)
-    q_out, kv_out = sum(ix.send_q_counts), sum(ix.send_kv_counts)  # rows this rank sends to servers
-    q_in, kv_in = sum(ix.recv_q_counts), sum(ix.recv_kv_counts)  # rows it serves for other ranks
-    return {
-        # dispatch q, k, v; return the outputs of the rows it served
-        "fwd_sent": (q_out + q_in) * q_row + kv_out * kv_row,
-        "fwd_recv": (q_in + q_out) * q_row + kv_in * kv_row,
-        # dispatch_backward q, out, dout, k, v; return dq of the rows it served and dk, dv of the KV it read
-        "bwd_sent": (3 * q_out + q_in) * q_row + (kv_out + kv_in) * kv_row,
-        "bwd_recv": (3 * q_in + q_out) * q_row + (kv_in + kv_out) * kv_row,
-    }
+    counts = (sum(ix.send_q_counts), sum(ix.send_kv_counts), sum(ix.recv_q_counts), sum(ix.recv_kv_counts))
+    return exchange_bytes(*counts, q_row, kv_row)
 
 
 def _check_stages_case(case: dict, per_rank: list[dict], world: int) -> None:
@@ -261,7 +253,7 @@ def _check_attention_case(case: dict, per_rank: list[dict], world: int) -> dict:
     )  # fmt: skip
     exact = _exact_replay(layout, plan, q_all, k_all, v_all)
     repeat = case.get("repeat", 1)
-    flops_per_pair = 4.0 * hq * D
+    flops_per_pair = forward_flops_per_pair(hq, D)
     for rank, res in enumerate(per_rank):
         assert res.get("error") is None, f"{label} rank {rank}: {res}"
         rows = torch.as_tensor(layout.rows(rank))
@@ -296,6 +288,10 @@ def _check_attention_case(case: dict, per_rank: list[dict], world: int) -> dict:
         ), label
         assert total.bytes_sent == repeat * want["fwd_sent"] + want["bwd_sent"], label
         assert total.bytes_received == repeat * want["fwd_recv"] + want["bwd_recv"], label
+        # phase by phase, the engine's measured bytes are the traffic ledger's
+        ledger = traffic.plan_bytes(plan)
+        assert nonzero(fwd.phase_bytes) == phase_counts(ledger, rank, repeat, 0), label
+        assert nonzero(total.phase_bytes) == phase_counts(ledger, rank, repeat, 1), label
     cfg = case["config"]
     mean = sum(plan.load_before) / world
     achievable = cfg.shard_tokens * max(layout.doc_lens) < cfg.tolerance * mean  # see test_planner

@@ -21,12 +21,14 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from engine_bytes import nonzero, phase_counts
 from tolerances import TOL
 from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, LlamaConfig
 
 import hf_distca
-from hf_distca import DistCAConfig, enable_distca, metrics
+from hf_distca import DistCAConfig, enable_distca, metrics, plan_core_attention
 from hf_distca.checkpointing import remat_checkpointing_kwargs, remat_context_fn
+from hf_distca.planning import traffic
 
 MODES = ("none", "recompute", "remat")
 LAYERS = 2
@@ -217,18 +219,24 @@ def remat_case(rank: int, world: int) -> dict:
     for mode in MODES:
         model = with_mode(base, mode)
         enable_distca(model, group=dist.group.WORLD, config=DistCAConfig(shard_tokens=8, tolerance=0.0))
-        metrics.reset()
-        logits = model(input_ids=ids, position_ids=pos, distca_layout=layout.of(rank), use_cache=False).logits
-        loss = (logits[0] * weights).sum()
-        loss.backward()
-        stats = metrics.snapshot()
-        total = torch.tensor([float(loss.detach())], dtype=torch.float64)
-        dist.all_reduce(total)
-        grads = grads_of(model)
-        for g in grads.values():
-            dist.all_reduce(g)
-        runs[mode] = {"loss": float(total), "grads": grads, "stats": stats}
+        runs[mode] = train_once(model, ids, pos, layout.of(rank), weights)
     return runs
+
+
+def train_once(model, ids, pos, distca_layout, weights) -> dict:
+    """One forward and backward of ``model`` on this rank's tokens: the loss and every parameter gradient
+    summed over the ranks, and this rank's engine metrics."""
+    metrics.reset()
+    logits = model(input_ids=ids, position_ids=pos, distca_layout=distca_layout, use_cache=False).logits
+    loss = (logits[0] * weights).sum()
+    loss.backward()
+    stats = metrics.snapshot()
+    total = torch.tensor([float(loss.detach())], dtype=torch.float64)
+    dist.all_reduce(total)
+    grads = grads_of(model)
+    for g in grads.values():
+        dist.all_reduce(g)
+    return {"loss": float(total), "grads": grads, "stats": stats}
 
 
 def check_remat_case(per_rank: list[dict], world: int) -> None:
@@ -239,6 +247,18 @@ def check_remat_case(per_rank: list[dict], world: int) -> None:
     assert moved  # documents cut over ranks: the engine really communicated
     for runs in per_rank[1:]:  # every rank got the same summed loss
         assert runs["remat"]["loss"] == per_rank[0]["remat"]["loss"]
+    # phase by phase, every mode's bytes are the traffic ledger's for the plan of every layer: the forward
+    # phases once per layer (twice with plain recompute), the backward phases once
+    plan = plan_core_attention(
+        PIECES[world], q_row_bytes=4 * 16 * 4, kv_row_bytes=2 * 2 * 16 * 4,
+        config=DistCAConfig(shard_tokens=8, tolerance=0.0),
+    )  # fmt: skip  # tiny_llama in fp32: 4 query and 2 KV heads of 16
+    ledger = traffic.plan_bytes(plan)
+    forwards = {"none": LAYERS, "recompute": 2 * LAYERS, "remat": LAYERS}
+    for rank, runs in enumerate(per_rank):
+        for mode in MODES:
+            want = phase_counts(ledger, rank, forwards[mode], LAYERS)
+            assert nonzero(runs[mode]["stats"].phase_bytes) == want, (world, rank, mode)
 
 
 # ------------------------------------------------------------------------------- the Trainer path

@@ -12,13 +12,13 @@ import pytest
 import torch
 from tolerances import TOL
 
+from hf_distca.engine import local_attention
 from hf_distca.kernels import (
     attention_backward,
     attention_forward,
     available_backends,
     cudnn_frontend,
     reference_varlen_attention,
-    varlen_attention,
 )
 
 pytestmark = [
@@ -141,13 +141,14 @@ def test_cuda_backend_sliding_window_matches_reference(variant, case, monkeypatc
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_cuda_backend_autograd_function(variant, monkeypatch):
-    """varlen_attention (the differentiable convenience) gives the same gradients through autograd."""
+    """local_attention (the differentiable operator on one process) gives the same gradients through
+    autograd."""
     backend = _select(variant, monkeypatch)
     q_lens, k_lens = SHAPES["mixed_empty"]
     q, k, v, dout = _inputs(q_lens, k_lens, seed=1)
     args = (_cu(q_lens), _cu(k_lens), max(q_lens), max(k_lens))
     qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
-    out = varlen_attention(qq, kk, vv, *args, backend=backend)
+    out = local_attention(qq, kk, vv, *args, backend=backend)
     out.backward(dout)
     _, lse = attention_forward(q, k, v, *args, backend=backend)
     got = (out.detach(), lse, qq.grad, kk.grad, vv.grad)

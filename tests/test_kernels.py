@@ -16,6 +16,7 @@ from oracle import visible
 from tolerances import TOL
 
 from hf_distca.config import KERNEL_BACKENDS
+from hf_distca.engine import local_attention
 from hf_distca.kernels import (
     UnsupportedFeatureError,
     attention_backward,
@@ -25,7 +26,6 @@ from hf_distca.kernels import (
     reference,
     reference_varlen_attention,
     resolve_backend,
-    varlen_attention,
 )
 from hf_distca.kernels.common import check_inputs
 
@@ -179,7 +179,7 @@ def test_sliding_window_matches_naive_oracle(case, dtype, backend):
     for name, got, ref in zip(("dq", "dk", "dv"), grads, want):
         torch.testing.assert_close(got.double(), ref, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
     qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
-    varlen_attention(qq, kk, vv, *args, scale=SCALE, backend=backend, window=window).backward(dout)
+    local_attention(qq, kk, vv, *args, scale=SCALE, backend=backend, window=window).backward(dout)
     for name, got, ref in zip(("dq", "dk", "dv"), (qq.grad, kk.grad, vv.grad), want):
         torch.testing.assert_close(got.double(), ref, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
 
@@ -228,12 +228,12 @@ def test_kv_only_sequences_get_zero_gradients():
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_varlen_attention_autograd_function(dtype):
+def test_local_attention_autograd_function(dtype):
     """The differentiable convenience: forward = attention_forward, gradients = the naive oracle's."""
     q_lens, k_lens = SHAPES["mixed"]
     q, k, v, dout = _inputs(q_lens, k_lens, 8, 2, 16, dtype, seed=11)
     qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
-    out = varlen_attention(qq, kk, vv, _cu(q_lens), _cu(k_lens), max(q_lens), max(k_lens))
+    out = local_attention(qq, kk, vv, _cu(q_lens), _cu(k_lens), max(q_lens), max(k_lens))
     out.backward(dout)
     scale = 1 / math.sqrt(16)  # the default
     rtol, atol = _tol(dtype)
@@ -254,7 +254,7 @@ def test_empty_batch():
     dq, dk, dv = attention_backward(dout, q, k, v, out, lse, *args)
     assert dq.shape == (0, 4, 8) and torch.all(dk == 0) and torch.all(dv == 0) and dk.shape == k.shape
     kk = k.clone().requires_grad_(True)
-    varlen_attention(q, kk, v, *args).sum().backward()
+    local_attention(q, kk, v, *args).sum().backward()
     assert torch.all(kk.grad == 0)
 
 
@@ -311,7 +311,7 @@ def test_more_queries_than_keys_raises():
     with pytest.raises(ValueError, match="at least as many keys as queries"):
         attention_backward(dout, q, k, v, dout, dout[..., 0], *args)
     with pytest.raises(ValueError, match="at least as many keys as queries"):
-        varlen_attention(q, k, v, *args)
+        local_attention(q, k, v, *args)
 
 
 def test_bad_shapes_raise():
@@ -362,7 +362,7 @@ def test_explicit_gpu_backend_on_cpu_raises_helpful_error(backend):
     with pytest.raises(UnsupportedFeatureError, match="cannot run here"):
         attention_forward(q, k, v, _cu([4]), _cu([4]), 4, 4, backend=backend)
     with pytest.raises(UnsupportedFeatureError, match="cannot run here"):
-        varlen_attention(q, k, v, _cu([4]), _cu([4]), 4, 4, backend=backend)
+        local_attention(q, k, v, _cu([4]), _cu([4]), 4, 4, backend=backend)
 
 
 def test_unknown_backend_raises():

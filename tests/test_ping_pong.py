@@ -32,6 +32,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_distributed
+from engine_bytes import exchange_bytes, nonzero, phase_counts
 from oracle import TOL, Layout, assert_close, named_layouts, oracle_with_grads, random_qkv
 from test_engine_remat import (
     LAYERS,
@@ -43,9 +44,9 @@ from test_engine_remat import (
     check_modes,
     docs_of,
     global_rows,
-    grads_of,
     rank_inputs,
     tiny_llama,
+    train_once,
     with_mode,
 )
 from test_engine_remat import Layout as ModelLayout
@@ -53,10 +54,11 @@ from test_engine_remat import Layout as ModelLayout
 from hf_distca import DistCAConfig, core_attention, enable_distca, metrics, plan_core_attention
 from hf_distca import engine as eng
 from hf_distca.comm import signal_only
-from hf_distca.engine.nano import BALANCE, DUPLICATE_GAP, nano_batches, split_server_tasks
+from hf_distca.engine.nano import nano_batches
 from hf_distca.engine.prepare import PreparedAttention
 from hf_distca.kernels import reference_varlen_attention
-from hf_distca.planning import CATask, DocIndex, build_dispatch_index, causal_pairs
+from hf_distca.planning import CATask, DocIndex, build_dispatch_index, causal_pairs, traffic
+from hf_distca.planning.nano import BALANCE, DUPLICATE_GAP, split_server_tasks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 D = 8
@@ -220,6 +222,7 @@ def _run(q, k, v, w, layout: Layout, rank: int, config: DistCAConfig) -> dict:
         "forward": forward,
         "total": metrics.snapshot(),
         "runner": type(out.grad_fn.runner).__name__,
+        "runner_parts": len(out.grad_fn.runner.split.parts),
     }
 
 
@@ -247,6 +250,7 @@ def _parts(prep, rank: int, cfg: DistCAConfig) -> list[dict]:
             "tasks": part.plan.tasks, "sent": part.plan.bytes_sent[rank], "received": part.plan.bytes_received[rank],
             "q_out": sum(ix.send_q_counts), "kv_out": sum(ix.send_kv_counts),
             "q_in": sum(ix.recv_q_counts), "kv_in": sum(ix.recv_kv_counts), "communicates": part.communicates,
+            "ledger": traffic.plan_bytes(part.plan),
         })  # fmt: skip
     return parts
 
@@ -299,17 +303,7 @@ def _model_case(rank: int, world: int) -> dict:
             shard_tokens=8, tolerance=0.0, ping_pong=ping_pong, ping_pong_split=split, backend="reference"
         )
         enable_distca(model, group=dist.group.WORLD, config=config)
-        metrics.reset()
-        logits = model(input_ids=ids, position_ids=pos, distca_layout=layout.of(rank), use_cache=False).logits
-        loss = (logits[0] * weights).sum()
-        loss.backward()
-        stats = metrics.snapshot()
-        total = torch.tensor([float(loss.detach())], dtype=torch.float64)
-        dist.all_reduce(total)
-        grads = grads_of(model)
-        for g in grads.values():
-            dist.all_reduce(g)
-        runs[mode] = {"loss": float(total), "grads": grads, "stats": stats}
+        runs[mode] = train_once(model, ids, pos, layout.of(rank), weights)
     return runs
 
 
@@ -378,7 +372,10 @@ def _check_attention(case: dict, per_rank: list[dict], world: int) -> dict:
         rows = torch.as_tensor(layout.rows(rank))
         pp, serial = res["pp"], res["serial"]
         assert all(r["communicates"] == communicates for r in per_rank), label
-        assert pp["runner"] == ("PingPongRunner" if communicates else "EngineRunner"), label
+        # nano-batches only when the plan exchanges rows; else (and without ping-pong) one part: serial
+        assert pp["runner"] == serial["runner"] == "PingPongRunner", label
+        assert pp["runner_parts"] == (len(res["parts"]) if communicates else 1), label
+        assert serial["runner_parts"] == 1, label
         for name, got, want, other in zip(("out", "dq", "dk", "dv"), pp["tensors"], ref, serial["tensors"]):
             assert got.dtype == DTYPES[case["dtype"]] and got.shape[0] == len(rows), label
             assert_close(got, want[rows], case["dtype"], f"{label} rank {rank} {name} vs oracle")
@@ -393,9 +390,14 @@ def _check_attention(case: dict, per_rank: list[dict], world: int) -> dict:
         assert fwd.bytes_sent == sum(p["sent"] for p in parts), label
         assert fwd.bytes_received == sum(p["received"] for p in parts), label
         bwd_sent = sum(
-            (3 * p["q_out"] + p["q_in"]) * q_row + (p["kv_out"] + p["kv_in"]) * kv_row for p in parts
+            exchange_bytes(p["q_out"], p["kv_out"], p["q_in"], p["kv_in"], q_row, kv_row)["bwd_sent"]
+            for p in parts
         )
         assert total.bytes_sent == fwd.bytes_sent + bwd_sent, label
+        # phase by phase, the measured bytes are the ledger's over the nano-batch plans
+        ledger = sum(p["ledger"] for p in parts)
+        assert nonzero(fwd.phase_bytes) == phase_counts(ledger, rank, 1, 0), label
+        assert nonzero(total.phase_bytes) == phase_counts(ledger, rank, 1, 1), label
         # query rows are partitioned: the same query bytes as without ping-pong; KV rows at least as many,
         # and exactly as many with the local_first split (no KV row goes to a server twice)
         serial_fwd = serial["forward"].bytes_sent

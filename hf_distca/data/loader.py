@@ -115,6 +115,7 @@ class DistCABatches(IterableDataset):
         """Stream index of the step whose micro-batch was yielded last (None before the first)."""
         self._plans: dict[int, list[list[list[int]]]] = {}  # data epoch -> its steps (the last two used)
         self._plan_sizes: list[int] = []  # steps of data epochs 0, 1, ... planned so far
+        self._layouts: dict[int, list] = {}  # stream step -> every rank's pieces per micro-batch yielded
 
     def set_epoch(self, epoch: int) -> None:
         """The next iteration yields chunk ``epoch`` of the step stream."""
@@ -164,7 +165,12 @@ class DistCABatches(IterableDataset):
         for index in range(first, first + self.steps_per_epoch):
             for doc_indices in self.step(index):
                 self.current_step = index
-                yield self.micro_batch([self.documents[i][:budget] for i in doc_indices])
+                batch, all_pieces = self._micro_batch([self.documents[i][:budget] for i in doc_indices])
+                layouts = self._layouts.setdefault(index, [])
+                layouts.append(all_pieces)
+                for old in sorted(self._layouts)[:-2]:
+                    del self._layouts[old]
+                yield batch
 
     def layout_load(
         self, index: int, layout: LayoutFn | None = None, windows: Sequence[int | None] = (None,)
@@ -175,15 +181,21 @@ class DistCABatches(IterableDataset):
         balancing, exactly the planner's ``load_before``, whatever the attention mode. ``layout``
         prices the same documents placed by another layout (default: this stream's); ``windows``: one
         sliding window per layer (None: full causal), summed over them (default: one full layer)."""
-        budget = self.tokens_per_rank * self.world_size
-        lengths = self.documents.lengths
+        micro_batches = self.step(index)
+        layouts = self._layouts.get(index) if layout is None else None  # what the loader already laid out
+        if layouts is None or len(layouts) != len(micro_batches):
+            budget = self.tokens_per_rank * self.world_size
+            lengths = self.documents.lengths
+            layouts = [
+                (layout or self.layout)(
+                    [min(lengths[i], budget) for i in doc_indices],
+                    world_size=self.world_size,
+                    tokens_per_rank=self.tokens_per_rank,
+                )
+                for doc_indices in micro_batches
+            ]
         total = [0] * self.world_size
-        for doc_indices in self.step(index):
-            pieces = (layout or self.layout)(
-                [min(lengths[i], budget) for i in doc_indices],
-                world_size=self.world_size,
-                tokens_per_rank=self.tokens_per_rank,
-            )
+        for pieces in layouts:
             for rank, rank_pieces in enumerate(pieces):
                 total[rank] += sum(
                     attended_pairs(p.doc_start, p.doc_start + p.length, w)
@@ -194,6 +206,10 @@ class DistCABatches(IterableDataset):
 
     def micro_batch(self, docs: Sequence[Sequence[int]]) -> dict:
         """This rank's share of one global micro-batch of documents."""
+        return self._micro_batch(docs)[0]
+
+    def _micro_batch(self, docs: Sequence[Sequence[int]]) -> tuple[dict, tuple]:
+        """:meth:`micro_batch` and every rank's pieces of its layout."""
         mine = layout_for_rank(
             docs,
             rank=self.rank,
@@ -222,7 +238,7 @@ class DistCABatches(IterableDataset):
             batch.update(
                 cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths)
             )
-        return batch
+        return batch, mine.all_pieces
 
 
 class DistCADataLoader(DataLoader):

@@ -17,8 +17,8 @@ on one process's own sequences. Both take part in rematerialization-aware checkp
 """
 
 from hf_distca.engine.consistency import InconsistentInputError
-from hf_distca.engine.nano import NanoSplit, nano_batches
-from hf_distca.engine.op import EngineRunner, LocalRunner, PingPongRunner, core_attention, local_attention
+from hf_distca.engine.nano import NanoSplit, nano_batches, whole
+from hf_distca.engine.op import LocalRunner, PingPongRunner, core_attention, local_attention
 from hf_distca.engine.prepare import PreparedAttention, clear_plan_cache, prepare
 from hf_distca.engine.stages import (
     GradReturn,
@@ -33,7 +33,6 @@ from hf_distca.engine.stages import (
 )
 
 __all__ = [
-    "EngineRunner",
     "GradReturn",
     "InconsistentInputError",
     "LocalRunner",
@@ -53,4 +52,5 @@ __all__ = [
     "prepare",
     "return_grads",
     "return_outputs",
+    "whole",
 ]

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from hf_distca.config import KERNEL_BACKENDS, DistCAConfig
 from hf_distca.planning.cost import cost_model_from_config
@@ -201,25 +200,6 @@ def check_vector(info: LocalInputs, config: DistCAConfig) -> list[int]:
     for _, value in _config_fields(config):
         head.extend(_encode(value))
     return head
-
-
-def collective_device(group: Any, device: torch.device) -> torch.device:
-    """Where a collective on ``group`` wants its tensors (CUDA for NCCL, the CPU for gloo)."""
-    backend = dist.get_backend(group)
-    if backend == "nccl":
-        return device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
-    if backend == "gloo":
-        return torch.device("cpu")
-    return device
-
-
-def all_gather_rows(row: list[int], group: Any, device: torch.device) -> list[list[int]]:
-    """All-gather one equal-length int64 row per rank (one collective, one host synchronisation)."""
-    world = dist.get_world_size(group)
-    mine = torch.tensor(row, dtype=torch.int64, device=collective_device(group, device))
-    everyone = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(everyone, mine, group=group)
-    return torch.stack(everyone).cpu().tolist()
 
 
 def _by_value(values: list[str]) -> str:

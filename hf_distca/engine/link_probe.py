@@ -17,8 +17,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hf_distca.comm import collective_device
 from hf_distca.config import DistCAConfig
-from hf_distca.engine.consistency import collective_device
+from hf_distca.planning.traffic import INTER, link_classes
 
 PROBE_BYTES = 8 * 2**20
 """Bytes one rank sends in the timed all-to-all (16 MiB and up reach 140-307 GiB/s on NVLink; smaller
@@ -32,7 +33,7 @@ def peers(rank: int, world: int, ranks_per_node: int | None) -> list[int]:
     others = [r for r in range(world) if r != rank]
     if ranks_per_node is None:
         return others
-    remote = [r for r in others if r // ranks_per_node != rank // ranks_per_node]
+    remote = [r for r in others if link_classes(r, rank, ranks_per_node) == INTER]
     return remote or others
 
 

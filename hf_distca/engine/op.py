@@ -3,15 +3,15 @@
 ``core_attention`` (balanced over the ranks of a group) and ``local_attention`` (one process, its own
 documents) both run through :class:`_AttentionOp`; they differ only in the runner that does the work:
 
-- :class:`EngineRunner`: forward = dispatch -> compute -> return_outputs -> gather_outputs; backward =
-  dispatch_backward -> compute_backward -> return_grads -> gather_grads (see :mod:`.stages`).
-- :class:`PingPongRunner` (``DistCAConfig.ping_pong``): the same stages on the nano-batches of the
-  micro-batch (:mod:`.nano`), interleaved so that one nano-batch's exchanges fly while another's
-  kernel runs, in forward and backward.
+- :class:`PingPongRunner`: forward = dispatch -> compute -> return_outputs -> gather_outputs; backward =
+  dispatch_backward -> compute_backward -> return_grads -> gather_grads (see :mod:`.stages`), on the
+  nano-batches of the micro-batch (:mod:`.nano`; ``DistCAConfig.ping_pong``), interleaved so that one
+  nano-batch's exchanges fly while another's kernel runs, in forward and backward; without ping-pong on
+  the micro-batch as one part, the stages one after the other.
 - :class:`LocalRunner`: the kernel's forward and backward on this process's own rows.
 
 Every stage a runner runs is a profiler range named ``distca.<fwd|bwd>.<stage>[.<nano-batch>]`` (stages:
-dispatch, compute, return, and for ping-pong the waits wait_dispatch, wait_return), so a
+dispatch, wait_dispatch, compute, return, wait_return; no nano-batch number with one part), so a
 ``torch.profiler`` trace shows the schedule (benchmarks/bench_ping_pong.py summarises it per layer).
 
 What is kept from forward to backward, per layer and rank (T: local rows, Tk: rows of the tasks this
@@ -27,13 +27,11 @@ Transient, within one stage: the server's pools (its rows plus the received ones
 copies (a KV prefix read by two tasks twice); in backward the same for q, out, dout, k, v, plus float32
 dk/dv accumulators for bf16/fp16 inputs.
 
-Bytes per layer sent by one rank, with Q = its query rows sent to other servers x Hq x D x b (outputs,
-output gradients and dq have the same size), KV = its KV-prefix rows sent x Hkv x D x b (each of k and
-v), and Q', KV' the same for the rows it serves for other ranks: forward Q + 2 KV (dispatch) and Q'
-(return); backward 3 Q + 2 KV (q, out, dout, k, v re-sent) and Q' + 2 KV' (dq, dk, dv home). Summed
-over ranks (sum Q = sum Q', sum KV = sum KV') that is 6 Q + 6 KV per layer: what plain activation
-recompute cost with an engine that kept the received rows until backward, and one forward (Q + 2 KV +
-Q') less than plain recompute with this engine. Rematerialization-aware checkpointing adds nothing.
+Bytes per layer: what each of the four exchanges carries is written once, in the traffic ledger
+(:mod:`hf_distca.planning.traffic`: q, k, v out and the outputs back in forward; q, out, dout, k, v out
+and dq, dk, dv back in backward). Summed over ranks that is what plain activation recompute cost with an
+engine that kept the received rows until backward, and one forward's exchanges less than plain recompute
+with this engine. Rematerialization-aware checkpointing adds nothing.
 Ping-pong sends the same Q rows, outputs and gradients, and a KV row once per nano-batch that reads
 it: the same bytes with the default split; with ``ping_pong_split="halves"`` more only for a document
 whose tasks on one server are cut between the two nano-batches (see :mod:`.nano`). The server's
@@ -42,7 +40,7 @@ log-sum-exp is kept per nano-batch (the same rows in all).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +49,7 @@ import torch
 from hf_distca import metrics
 from hf_distca.checkpointing import SavedAttention, keep_for_recompute, take_saved_attention
 from hf_distca.config import DistCAConfig
-from hf_distca.engine.nano import NanoSplit, nano_batches
+from hf_distca.engine.nano import NanoSplit, nano_batches, whole
 from hf_distca.engine.prepare import PreparedAttention, prepare
 from hf_distca.engine.stages import (
     compute,
@@ -76,52 +74,11 @@ def _stage(name: str) -> torch.profiler.record_function:
 
 
 @dataclass(frozen=True)
-class EngineRunner:
-    """Balanced core attention of one micro-batch over ``group`` (all ranks call together)."""
-
-    prepared: PreparedAttention
-    group: Any
-    scale: float | None
-    backend: str
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        prep, group = self.prepared, self.group
-        with _stage("fwd.dispatch"):
-            received = _wait(dispatch(prep, q, k, v, group))
-        with _stage("fwd.compute"):
-            out_kernel, lse = compute(prep, q, k, v, received, scale=self.scale, backend=self.backend)
-        del received  # the server keeps nothing it received
-        with _stage("fwd.return"):
-            returned = _wait(return_outputs(prep, out_kernel, group))
-        return gather_outputs(prep, out_kernel, returned), lse
-
-    def backward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        dout: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        prep, group = self.prepared, self.group
-        with _stage("bwd.dispatch"):
-            received = _wait(dispatch_backward(prep, q, k, v, out, dout, group))
-        with _stage("bwd.compute"):
-            dq_k, dk_k, dv_k = compute_backward(
-                prep, q, k, v, out, dout, lse, received, scale=self.scale, backend=self.backend
-            )
-        del received
-        with _stage("bwd.return"):
-            pending = return_grads(prep, dq_k, dk_k, dv_k, group)
-        return gather_grads(prep, pending, k.dtype)
-
-
-@dataclass(frozen=True)
 class PingPongRunner:
-    """Balanced core attention of one micro-batch as nano-batches (:mod:`.nano`: with the default split,
-    the work needing no exchange in two halves around the work that does) whose exchanges are
-    asynchronous and interleave with the other parts' server kernels (all ranks call together).
+    """Balanced core attention of one micro-batch as nano-batches (:mod:`.nano`: with ping-pong's default
+    split, the work needing no exchange in two halves around the work that does; without ping-pong one
+    part, the serial schedule) whose exchanges are asynchronous and interleave with the other parts'
+    server kernels (all ranks call together).
 
     Forward: start every part's dispatch; then for each part in turn: wait for its dispatch, run its
     kernel, start its return; then wait for the returns and put the outputs in local row order. So a
@@ -129,38 +86,68 @@ class PingPongRunner:
     kernels of the parts after it (a part that exchanges nothing starts and waits for nothing). Backward:
     the same with dispatch_backward, compute_backward and return_grads; dk/dv of all parts are summed in
     the accumulation dtype before rounding. The log-sum-exp is the parts' kernel rows one after the
-    other."""
+    other. Stage names carry the part's number (``fwd.dispatch.0``), except with one part
+    (``fwd.dispatch``)."""
 
     split: NanoSplit
     group: Any
     scale: float | None
     backend: str
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        parts, group = self.split.parts, self.group
+    def _name(self, stage: str, j: int) -> str:
+        return stage if len(self.split.parts) == 1 else f"{stage}.{j}"
+
+    def _in_local_order(self, per_part: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """The parts' rows (each in its computed rows' order) in local row order."""
+        if len(per_part) == 1:
+            return per_part[0]
+        return torch.cat(per_part).index_select(0, self.split.local_order(device))
+
+    def _interleave(self, pass_: str, start: Callable, run: Callable, finish: Callable) -> list:
+        """One pass's schedule: every part's ``start(part)`` (its dispatch), then per part: wait for it,
+        ``run(j, part, received)`` (its kernel) and ``finish(part, result)`` (start its return); returns
+        the returns in flight. Nothing a part received outlives its kernel."""
+        parts, name = self.split.parts, self._name
         in_flight = []
         for j, part in enumerate(parts):
-            with _stage(f"fwd.dispatch.{j}"):
-                in_flight.append(dispatch(part, q, k, v, group, async_op=True))
-        outs, lses, returning = [], [], []
+            with _stage(name(f"{pass_}.dispatch", j)):
+                in_flight.append(start(part))
+        returning = []
         for j, part in enumerate(parts):
-            with _stage(f"fwd.wait_dispatch.{j}"):
+            with _stage(name(f"{pass_}.wait_dispatch", j)):
                 received = _wait(in_flight[j])
             in_flight[j] = None  # the received rows are freed once the kernel has run
-            with _stage(f"fwd.compute.{j}"):
-                out_kernel, lse = compute(part, q, k, v, received, scale=self.scale, backend=self.backend)
+            with _stage(name(f"{pass_}.compute", j)):
+                result = run(j, part, received)
             del received
-            with _stage(f"fwd.return.{j}"):
-                returning.append(return_outputs(part, out_kernel, group, async_op=True))
+            with _stage(name(f"{pass_}.return", j)):
+                returning.append(finish(part, result))
+            del result
+        return returning
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        parts, group, name = self.split.parts, self.group, self._name
+        outs, lses = [], []
+
+        def run(j, part, received):
+            out_kernel, lse = compute(part, q, k, v, received, scale=self.scale, backend=self.backend)
             outs.append(out_kernel)
             lses.append(lse)
+            return out_kernel
+
+        returning = self._interleave(
+            "fwd",
+            lambda part: dispatch(part, q, k, v, group, async_op=True),
+            run,
+            lambda part, out_kernel: return_outputs(part, out_kernel, group, async_op=True),
+        )
         gathered = []
         for j, part in enumerate(parts):
-            with _stage(f"fwd.wait_return.{j}"):
+            with _stage(name("fwd.wait_return", j)):
                 returned = _wait(returning[j])
             gathered.append(gather_outputs(part, outs[j], returned))  # (rows_j, Hq, D)
-        out = torch.cat(gathered).index_select(0, self.split.local_order(q.device))  # (T_local, Hq, D)
-        return out, torch.cat(lses)  # lse: (Tk_0 + Tk_1, Hq)
+        out = self._in_local_order(gathered, q.device)  # (T_local, Hq, D)
+        return out, (lses[0] if len(lses) == 1 else torch.cat(lses))  # lse: (Tk_0 + Tk_1 + ..., Hq)
 
     def backward(
         self,
@@ -171,33 +158,24 @@ class PingPongRunner:
         lse: torch.Tensor,
         dout: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        parts, group = self.split.parts, self.group
+        parts, group, name = self.split.parts, self.group, self._name
         lses = lse.split([len(part.index.kernel_q_index) for part in parts])
-        in_flight = []
-        for j, part in enumerate(parts):
-            with _stage(f"bwd.dispatch.{j}"):
-                in_flight.append(dispatch_backward(part, q, k, v, out, dout, group, async_op=True))
-        returning = []
-        for j, part in enumerate(parts):
-            with _stage(f"bwd.wait_dispatch.{j}"):
-                received = _wait(in_flight[j])
-            in_flight[j] = None
-            with _stage(f"bwd.compute.{j}"):
-                dq_k, dk_k, dv_k = compute_backward(
-                    part, q, k, v, out, dout, lses[j], received, scale=self.scale, backend=self.backend
-                )
-            del received
-            with _stage(f"bwd.return.{j}"):
-                returning.append(return_grads(part, dq_k, dk_k, dv_k, group, async_op=True))
-            del dq_k, dk_k, dv_k
+        returning = self._interleave(
+            "bwd",
+            lambda part: dispatch_backward(part, q, k, v, out, dout, group, async_op=True),
+            lambda j, part, received: compute_backward(
+                part, q, k, v, out, dout, lses[j], received, scale=self.scale, backend=self.backend
+            ),
+            lambda part, grads: return_grads(part, *grads, group, async_op=True),  # grads: dq, dk, dv
+        )
         dqs, dk, dv = [], None, None
         for j, part in enumerate(parts):
-            with _stage(f"bwd.wait_return.{j}"):
+            with _stage(name("bwd.wait_return", j)):
                 dq_j, dk_j, dv_j = gather_grads(part, returning[j], None)  # dk/dv: accumulation dtype
             returning[j] = None
             dqs.append(dq_j)  # (rows_j, Hq, D)
             dk, dv = (dk_j, dv_j) if dk is None else (dk + dk_j, dv + dv_j)  # (T_local, Hkv, D)
-        dq = torch.cat(dqs).index_select(0, self.split.local_order(q.device))  # (T_local, Hq, D)
+        dq = self._in_local_order(dqs, q.device)  # (T_local, Hq, D)
         return dq, dk.to(k.dtype), dv.to(k.dtype)
 
 
@@ -312,14 +290,15 @@ def core_attention(
 
 def engine_runner(
     prepared: PreparedAttention, *, group: Any, config: DistCAConfig, scale: float | None, on_cuda: bool
-) -> EngineRunner | PingPongRunner:
+) -> PingPongRunner:
     """The runner of one prepared micro-batch: ping-pong nano-batches when ``config.ping_pong`` asks for
-    them (None: on CUDA tensors) and the plan communicates, else the serial stages."""
+    them (None: on CUDA tensors) and the plan communicates, else the micro-batch as one part (serial)."""
     ping_pong = config.ping_pong if config.ping_pong is not None else on_cuda
     if ping_pong and prepared.communicates:  # every rank decides alike: same config, same plan
         split = nano_batches(prepared, config.shard_tokens, config.ping_pong_split)
-        return PingPongRunner(split, group, scale, config.backend)
-    return EngineRunner(prepared, group, scale, config.backend)
+    else:
+        split = whole(prepared)
+    return PingPongRunner(split, group, scale, config.backend)
 
 
 def local_attention(

@@ -23,16 +23,14 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from hf_distca import metrics
+from hf_distca.comm import all_gather_padded, all_gather_rows, collective_device, group_rank_world
 from hf_distca.config import DistCAConfig
 from hf_distca.engine.consistency import (
     LocalInputs,
     Pieces,
-    all_gather_rows,
     check_vector,
-    collective_device,
     describe_inputs,
     digest64,
     raise_on_disagreement,
@@ -44,6 +42,7 @@ from hf_distca.planning import (
     attention_flops_per_pair,
     build_dispatch_index,
     cost_model_from_config,
+    forward_flops_per_pair,
     plan_core_attention,
 )
 
@@ -88,6 +87,10 @@ class PreparedAttention:
     def rank(self) -> int:
         return self.index.rank
 
+    def kernel_seqs(self) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """The server kernel's (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)."""
+        return self.cu_seqlens_q, self.cu_seqlens_k, self.index.max_seqlen_q, self.index.max_seqlen_k
+
     @property
     def window(self) -> int | None:
         """The layer's sliding window the plan (and so the server kernel) follows; None: full causal."""
@@ -125,15 +128,6 @@ class PreparedAttention:
                 out_gather=as_t(ix.out_gather),
             )
         return self._on_device[key]
-
-
-def group_rank_world(group: Any) -> tuple[int, int]:
-    """This process's rank in ``group`` and the group's size (0, 1 without torch.distributed)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        if group is not None:
-            raise RuntimeError("a process group was passed but torch.distributed is not initialized")
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
 
 
 @dataclass
@@ -212,14 +206,9 @@ def _gather_pieces(info: LocalInputs, config: DistCAConfig, group: Any, device: 
     )
     info.raise_if_failed()
     counts = [r[0] for r in rows]
-    dev = collective_device(group, device)
-    mine = torch.full((max(max(counts), 1), 3), -1, dtype=torch.long)
-    if info.pieces:
-        mine[: len(info.pieces)] = torch.tensor(info.pieces, dtype=torch.long)
-    mine = mine.to(dev)
-    everyone = [torch.empty_like(mine) for _ in counts]
-    dist.all_gather(everyone, mine, group=group)
-    return [[tuple(p) for p in t[:n].cpu().tolist()] for t, n in zip(everyone, counts, strict=True)]
+    mine = torch.tensor(info.pieces, dtype=torch.long).reshape(-1, 3)  # (pieces, 3)
+    everyone = all_gather_padded(mine, counts, group, collective_device(group, device))
+    return [[tuple(p) for p in t.cpu().tolist()] for t in everyone]
 
 
 def _planned(
@@ -235,7 +224,10 @@ def _planned(
     elem = q.element_size()
     cost_model = cost_model_from_config(config, window)
     # the cost model's repr carries its table's hash: a table rewritten in place plans anew
-    key = (digest, rank, len(all_pieces), q_heads, kv_heads, head_dim, elem, config, repr(cost_model), window)
+    key = (
+        digest, rank, len(all_pieces), q_heads, kv_heads, head_dim, elem,
+        config.plan_fields(), repr(cost_model), window,
+    )  # fmt: skip
     hit = _plan_cache.get(key)
     if hit is not None:
         _plan_cache.move_to_end(key)
@@ -252,7 +244,7 @@ def _planned(
     )
     index = build_dispatch_index(plan, rank)
     metrics.record_plan(time.perf_counter() - t0)
-    flops_per_pair = 4.0 * q_heads * head_dim
+    flops_per_pair = forward_flops_per_pair(q_heads, head_dim)
     prepared = PreparedAttention(
         plan=plan,
         index=index,

@@ -9,7 +9,9 @@ when the plan moves nothing. No stage records anything for autograd: the operato
 :mod:`hf_distca.engine.op` chains them.
 
 Buffers: a rank sends, per destination rank in rank order, the rows of each stream back to back
-(dispatch: [q | k | v]; dispatch_backward: [q | out | dout | k | v]; return_grads: [dq | dk | dv]).
+(dispatch: [q | k | v]; dispatch_backward: [q | out | dout | k | v]; return_grads: [dq | dk | dv]): what
+the traffic ledger (:mod:`hf_distca.planning.traffic`) says each phase carries; a change here changes
+its ``CARRIES`` too (tests/test_traffic.py ties the two).
 A server's pools are ``cat([its own rows, rows received from rank 0, from rank 1, ...])`` per stream;
 the kernel reads them through the plan's kernel indices (a KV prefix shared by two tasks is read twice,
 so its gradients are summed with index_add).
@@ -29,20 +31,25 @@ from hf_distca import metrics
 from hf_distca.comm import Exchange, all_to_all_v
 from hf_distca.engine.prepare import PreparedAttention
 from hf_distca.kernels import attention_backward, attention_forward
+from hf_distca.planning.traffic import PHASES
+
+FWD_DISPATCH, FWD_RETURN, BWD_DISPATCH, BWD_RETURN = PHASES
 
 Stream = tuple[torch.Tensor, list[int]]  # rows (N, H, D) grouped by destination, rows per destination
 
 
-def _start(streams: list[Stream], recv_counts: list[list[int]], group: Any, async_op: bool) -> Exchange:
-    """Pack ``streams`` per destination and start the all-to-all-v; ``recv_counts[s][r]``: rows of
-    stream s that rank r sends here."""
+def _start(
+    phase: str, streams: list[Stream], recv_counts: list[list[int]], group: Any, async_op: bool
+) -> Exchange:
+    """Pack ``streams`` per destination and start the all-to-all-v of ``phase`` (a name of the traffic
+    ledger, its bytes counted under it); ``recv_counts[s][r]``: rows of stream s that rank r sends here."""
     world = len(streams[0][1])
     chunks = [rows.split(counts) for rows, counts in streams]
     row_elems = [rows.shape[1] * rows.shape[2] for rows, _ in streams]
     parts = [chunks[s][r].reshape(-1) for r in range(world) for s in range(len(streams))]
     send_splits = [sum(streams[s][1][r] * row_elems[s] for s in range(len(streams))) for r in range(world)]
     recv_splits = [sum(recv_counts[s][r] * row_elems[s] for s in range(len(streams))) for r in range(world)]
-    return all_to_all_v(torch.cat(parts), send_splits, recv_splits, group, async_op=async_op)
+    return all_to_all_v(torch.cat(parts), send_splits, recv_splits, group, async_op=async_op, phase=phase)
 
 
 def _unpack(
@@ -104,7 +111,7 @@ def dispatch(
         (v.index_select(0, kv_rows), ix.send_kv_counts),  # (Nkv, Hkv, D)
     ]
     recv = [ix.recv_q_counts, ix.recv_kv_counts, ix.recv_kv_counts]
-    return _start(streams, recv, group, async_op)
+    return _start(FWD_DISPATCH, streams, recv, group, async_op)
 
 
 def compute(
@@ -126,16 +133,7 @@ def compute(
     if q_kernel.shape[0]:
         metrics.record_forward_kernel()
     return attention_forward(
-        q_kernel,
-        k_kernel,
-        v_kernel,
-        prep.cu_seqlens_q,
-        prep.cu_seqlens_k,
-        ix.max_seqlen_q,
-        ix.max_seqlen_k,
-        scale=scale,
-        backend=backend,
-        window=prep.window,
+        q_kernel, k_kernel, v_kernel, *prep.kernel_seqs(), scale=scale, backend=backend, window=prep.window
     )
 
 
@@ -147,7 +145,7 @@ def return_outputs(
         return None
     ix, dev = prep.index, prep.device_index(out_kernel.device)
     streams = [(out_kernel.index_select(0, dev.out_send_index), ix.out_send_counts)]  # (No, Hq, D)
-    return _start(streams, [ix.out_recv_counts], group, async_op)
+    return _start(FWD_RETURN, streams, [ix.out_recv_counts], group, async_op)
 
 
 def gather_outputs(
@@ -185,7 +183,7 @@ def dispatch_backward(
         (v.index_select(0, kv_rows), ix.send_kv_counts),
     ]
     rq, rkv = ix.recv_q_counts, ix.recv_kv_counts
-    return _start(streams, [rq, rq, rq, rkv, rkv], group, async_op)
+    return _start(BWD_DISPATCH, streams, [rq, rq, rq, rkv, rkv], group, async_op)
 
 
 def compute_backward(
@@ -210,19 +208,7 @@ def compute_backward(
         [q, out, dout, k, v], received, [rq, rq, rq, rkv, rkv], [qi, qi, qi, kvi, kvi]
     )
     return attention_backward(
-        do_k,
-        q_k,
-        k_k,
-        v_k,
-        o_k,
-        lse,
-        prep.cu_seqlens_q,
-        prep.cu_seqlens_k,
-        ix.max_seqlen_q,
-        ix.max_seqlen_k,
-        scale=scale,
-        backend=backend,
-        window=prep.window,
+        do_k, q_k, k_k, v_k, o_k, lse, *prep.kernel_seqs(), scale=scale, backend=backend, window=prep.window
     )
 
 
@@ -269,7 +255,7 @@ def return_grads(
             (dv_pool[n:].to(dtype), ix.recv_kv_counts),
         ]
         recv = [ix.out_recv_counts, ix.send_kv_counts, ix.send_kv_counts]
-        exchange = _start(streams, recv, group, async_op)
+        exchange = _start(BWD_RETURN, streams, recv, group, async_op)
     return GradReturn(exchange, dq_kernel, dk_pool[: ix.num_local], dv_pool[: ix.num_local])
 
 

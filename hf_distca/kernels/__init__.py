@@ -11,8 +11,9 @@ backend.
 
 :func:`attention_forward` returns the output and the log-sum-exp of the scaled scores;
 :func:`attention_backward` turns (q, k, v, out, lse, dout) into (dq, dk, dv). Neither is
-differentiable: they are the pieces that autograd operators (the engine's, :func:`varlen_attention`'s)
-are built from, so that a caller can keep ``out`` and ``lse`` and run only the backward kernel later.
+differentiable: they are the pieces that the engine's autograd operator (:func:`hf_distca.core_attention`,
+and :func:`hf_distca.local_attention` on one process) is built from, so that a caller can keep ``out`` and
+``lse`` and run only the backward kernel later.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ __all__ = [
     "available_backends",
     "reference_varlen_attention",
     "resolve_backend",
-    "varlen_attention",
 ]
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -207,40 +207,3 @@ def attention_backward(
     name = resolve_backend(backend, q.device, q.dtype)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return _backward(dout, q, k, v, out, lse, seqs, scale, name)
-
-
-class _VarlenAttention(torch.autograd.Function):
-    """attention_forward with attention_backward as its gradient; saves q, k, v, out and lse."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, seqs: PackedSeqs, scale: float, name: str):  # type: ignore[override]
-        out, lse = _forward(q, k, v, seqs, scale, name)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.seqs, ctx.scale, ctx.name = seqs, scale, name
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(dout.contiguous(), q, k, v, out, lse, ctx.seqs, ctx.scale, ctx.name)
-        return dq, dk, dv, None, None, None
-
-
-def varlen_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    *,
-    scale: float | None = None,
-    backend: str = "auto",
-    window: int | None = None,
-) -> torch.Tensor:
-    """Differentiable :func:`attention_forward` (output only): an autograd.Function whose backward is
-    :func:`attention_backward` of the same backend."""
-    seqs = check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window)
-    name = resolve_backend(backend, q.device, q.dtype)
-    return _VarlenAttention.apply(q, k, v, seqs, q.shape[-1] ** -0.5 if scale is None else scale, name)

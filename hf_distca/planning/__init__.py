@@ -1,15 +1,18 @@
 """Planning: pure Python/NumPy, no torch.distributed, no CUDA."""
 
-from hf_distca.planning.cost import CausalPairsCost, MeasuredCost, causal_pairs, cost_model_from_config
-from hf_distca.planning.dispatch import DispatchIndex, build_dispatch_index
-from hf_distca.planning.links import (
-    LinkModel,
+from hf_distca.planning.cost import (
+    CausalPairsCost,
+    MeasuredCost,
     attention_flops_per_pair,
-    link_model_from_config,
-    plan_critical_path,
+    causal_pairs,
+    cost_model_from_config,
+    forward_flops_per_pair,
 )
+from hf_distca.planning.dispatch import DispatchIndex, build_dispatch_index
+from hf_distca.planning.links import LinkModel, link_model_from_config, plan_critical_path
 from hf_distca.planning.pieces import DocIndex, Piece, PieceError
-from hf_distca.planning.planner import CATask, CorePlan, plan_core_attention
+from hf_distca.planning.planner import plan_core_attention
+from hf_distca.planning.tasks import CATask, CorePlan, imbalance
 
 __all__ = [
     "CATask",
@@ -25,6 +28,8 @@ __all__ = [
     "build_dispatch_index",
     "causal_pairs",
     "cost_model_from_config",
+    "forward_flops_per_pair",
+    "imbalance",
     "link_model_from_config",
     "plan_core_attention",
     "plan_critical_path",

@@ -33,6 +33,21 @@ def causal_pairs(a: int, b: int) -> int:
     return (b * (b + 1) - a * (a + 1)) // 2
 
 
+FWD_BWD_FLOP_RATIO = 3.5
+"""Forward+backward over forward FLOPs of attention: forward 2 matmuls (4 FLOPs per pair and head
+dimension), backward 5 (10)."""
+
+
+def forward_flops_per_pair(q_heads: int, head_dim: int) -> float:
+    """Forward FLOPs of one (query, key) pair: 4 x query heads x head_dim (QK^T and PV, 2 each)."""
+    return 4.0 * q_heads * head_dim
+
+
+def attention_flops_per_pair(q_heads: int, head_dim: int) -> float:
+    """Forward+backward FLOPs of one (query, key) pair: the forward's x 3.5."""
+    return forward_flops_per_pair(q_heads, head_dim) * FWD_BWD_FLOP_RATIO
+
+
 class CausalPairsCost:
     """Cost of a task = its (query, key) pairs, :func:`~hf_distca.planning.window.attended_pairs` (causal
     pairs without a window); the default cost model.

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hf_distca.planning.planner import CorePlan
+from hf_distca.planning.tasks import CorePlan
 from hf_distca.planning.window import kv_start
 
 
@@ -47,6 +47,10 @@ class DispatchIndex:
     out_send_index: np.ndarray
     out_send_counts: list[int]
     out_gather: np.ndarray
+    """Per computed local row (ascending), where its output lies in the output pool."""
+    computed_rows: np.ndarray
+    """The local rows whose queries the plan computes, ascending: every local row, except for one part of
+    a micro-batch (``build_dispatch_index(..., part=True)``)."""
 
     @property
     def out_recv_counts(self) -> list[int]:
@@ -65,8 +69,12 @@ def _aranges(segments: list[tuple[int, int]]) -> np.ndarray:
     return np.repeat(starts, lens) + (np.arange(total, dtype=np.int64) - seg_begin)
 
 
-def build_dispatch_index(plan: CorePlan, rank: int) -> DispatchIndex:
-    """Index arrays for ``rank`` (cost: its own tasks plus the segments it holds of others' tasks)."""
+def build_dispatch_index(plan: CorePlan, rank: int, *, part: bool = False) -> DispatchIndex:
+    """Index arrays for ``rank`` (cost: its own tasks plus the segments it holds of others' tasks).
+
+    ``part``: the plan's tasks are one part of a micro-batch's (a nano-batch,
+    :func:`hf_distca.planning.nano.nano_plans`), so local rows that no task computes are allowed; the
+    outputs are then those of the computed rows (``computed_rows``)."""
     index = plan.index
     world = plan.world_size
     num_local = index.tokens_per_rank[rank]
@@ -160,7 +168,8 @@ def build_dispatch_index(plan: CorePlan, rank: int) -> DispatchIndex:
         rows = send_q[server - (server > rank)]
         out_gather[rows] = np.arange(base, base + len(rows))
         base += len(rows)
-    if num_local and out_gather.min() < 0:
+    computed = np.flatnonzero(out_gather >= 0)
+    if not part and len(computed) < num_local:
         missing = int(np.flatnonzero(out_gather < 0)[0])
         raise AssertionError(f"plan bug: local row {missing} of rank {rank} is computed by no server")
 
@@ -184,5 +193,6 @@ def build_dispatch_index(plan: CorePlan, rank: int) -> DispatchIndex:
         max_seqlen_k=int(lens_k.max()) if len(lens_k) else 0,
         out_send_index=np.concatenate(out_send) if out_send else np.zeros(0, dtype=np.int64),
         out_send_counts=out_send_counts,
-        out_gather=out_gather,
+        out_gather=out_gather[computed],
+        computed_rows=computed,
     )

@@ -1,22 +1,11 @@
 """The link model: what a plan's all-to-alls cost in time, and the step's critical path the planner lowers.
 
-The engine runs four all-to-all-v phases per layer of a training step (see :mod:`hf_distca.engine.op`):
-forward dispatch (q, k, v from holders to servers), forward return (outputs home), backward dispatch
-(q, out, dout, k, v) and backward return (dq, dk, dv home). With Q / KV a rank's query / KV-prefix bytes
-of one forward dispatch (``q_row_bytes`` / ``kv_row_bytes`` per row), "out" what it sends as a holder
-and "in" what it receives as a server, the bytes of one rank in each phase are
-
-    phase              sends                   receives
-    forward dispatch   Q_out + KV_out          Q_in + KV_in
-    forward return     Q_in                    Q_out
-    backward dispatch  3 Q_out + KV_out        3 Q_in + KV_in
-    backward return    Q_in + KV_in            Q_out + KV_out
-
-A rank sends and receives at once, and its traffic inside its node and across nodes moves at once, so
-a rank's time in a phase is the largest of (bytes sent or received on a link class) / (that class's
-bandwidth). Every collective is a barrier: a phase lasts as long as its slowest rank, and the kernel
-between two phases as long as its slowest server. The planner's objective, one layer of a training step
-(forward + backward), is therefore
+The bytes of every rank in each of the engine's four all-to-all phases come from the traffic ledger
+(:mod:`hf_distca.planning.traffic`). A rank sends and receives at once, and its traffic inside its node and
+across nodes moves at once, so a rank's time in a phase is the largest of (bytes sent or received on a link
+class) / (that class's bandwidth). Every collective is a barrier: a phase lasts as long as its slowest rank,
+and the kernel between two phases as long as its slowest server. The planner's objective, one layer of a
+training step (forward + backward), is therefore
 
     critical path = max over servers of compute + (1 - overlap) x sum over phases of max over ranks of
                     the rank's phase time
@@ -35,22 +24,34 @@ from typing import Any
 
 import numpy as np
 
-from hf_distca.planning.cost import CausalPairsCost, MeasuredCost
+from hf_distca.planning.cost import (
+    FWD_BWD_FLOP_RATIO,
+    CausalPairsCost,
+    MeasuredCost,
+    attention_flops_per_pair,
+)
+from hf_distca.planning.traffic import (
+    INTER,
+    INTRA,
+    distinct_phases,
+    forward_phases,
+    link_classes,
+    plan_traffic,
+    send_weights,
+)
 
-FWD_BWD_FLOP_RATIO = 3.5
-"""Forward+backward over forward FLOPs of attention: forward 2 matmuls (4 FLOPs per pair and head
-dimension), backward 5 (10)."""
+__all__ = [
+    "FWD_BWD_FLOP_RATIO",
+    "Changes",
+    "LinkModel",
+    "PhaseTimes",
+    "attention_flops_per_pair",
+    "link_model_from_config",
+    "plan_critical_path",
+    "seconds_per_cost_unit",
+]
 
 GIB = 2**30
-
-# columns of the per-rank, per-link-class byte counts
-Q_OUT, KV_OUT, Q_IN, KV_IN = range(4)
-INTRA, INTER = 0, 1
-
-
-def attention_flops_per_pair(q_heads: int, head_dim: int) -> float:
-    """Forward+backward FLOPs of one causal (query, key) pair: 4 x heads x head_dim forward, x 3.5."""
-    return 4.0 * q_heads * head_dim * FWD_BWD_FLOP_RATIO
 
 
 @dataclass(frozen=True)
@@ -70,10 +71,8 @@ class LinkModel:
     """Seconds of one layer's forward+backward core attention per unit of the cost model."""
 
     def link_class(self, a: int, b: int) -> int:
-        """INTRA when ranks ``a`` and ``b`` share a node, else INTER (INTER for every pair without a topology)."""
-        if self.ranks_per_node is not None and a // self.ranks_per_node == b // self.ranks_per_node:
-            return INTRA
-        return INTER
+        """The link class of ranks ``a`` and ``b`` (:func:`~hf_distca.planning.traffic.link_classes`)."""
+        return link_classes(a, b, self.ranks_per_node)
 
     @property
     def inverse_bandwidth(self) -> np.ndarray:
@@ -81,28 +80,23 @@ class LinkModel:
         return np.array([1.0 / self.intra_bytes_per_s, 1.0 / self.inter_bytes_per_s])
 
     def phase_seconds(self, traffic: np.ndarray) -> np.ndarray:
-        """Per rank, seconds of its three distinct phases: [dispatch (= backward return), forward return,
-        backward dispatch], from ``traffic`` (ranks, 2 link classes, 4 columns Q_OUT, KV_OUT, Q_IN, KV_IN) in
-        bytes; shape (ranks, 3)."""
-        q_out, kv_out = traffic[..., Q_OUT], traffic[..., KV_OUT]
-        q_in, kv_in = traffic[..., Q_IN], traffic[..., KV_IN]
-        by_class = np.stack(
-            [
-                np.maximum(q_out + kv_out, q_in + kv_in),
-                np.maximum(q_in, q_out),
-                np.maximum(3 * q_out + kv_out, 3 * q_in + kv_in),
-            ],
-            axis=-1,
-        )  # (ranks, 2, 3) bytes
-        return (by_class * self.inverse_bandwidth[:, None]).max(axis=-2)  # (ranks, 3)
+        """Per rank, seconds of each of the ledger's distinct phases
+        (:func:`~hf_distca.planning.traffic.distinct_phases`) from ``traffic`` (ranks, 2 link classes, 4
+        columns Q_OUT, KV_OUT, Q_IN, KV_IN) in bytes; shape (ranks, phases)."""
+        send, recv, _ = distinct_phases()  # (k, 4) each
+        by_class = np.maximum(traffic @ send.T, traffic @ recv.T)  # (ranks, 2, k) bytes
+        return (by_class * self.inverse_bandwidth[:, None]).max(axis=-2)  # (ranks, k)
 
     def comm_seconds(self, phase_seconds: np.ndarray) -> float:
         """One layer's all-to-all time (forward + backward): every phase lasts as long as its slowest rank;
-        the dispatch column counts twice (forward dispatch and backward return move the same bytes)."""
+        a distinct phase counts as often as the ledger runs it."""
         if phase_seconds.size == 0:
             return 0.0
-        slowest = phase_seconds.max(axis=0)  # (3,)
-        return float(2.0 * slowest[0] + slowest[1] + slowest[2])
+        slowest = phase_seconds.max(axis=0)  # (k,)
+        total = 0.0
+        for count, seconds in zip(distinct_phases()[2], slowest, strict=True):
+            total += float(count) * seconds
+        return float(total)
 
     def critical_path(self, max_cost: float, comm_seconds: float) -> float:
         """Seconds of one layer's core attention on the critical path: the slowest server's compute plus
@@ -150,64 +144,152 @@ def link_model_from_config(config: Any, cost_model: Any, flops_per_pair: float |
     )
 
 
-def add_bytes(
-    table: np.ndarray, ranks: np.ndarray, link_class: np.ndarray, column: int, nbytes: np.ndarray
-) -> None:
-    """``table[rank, link class, column] += bytes`` for every entry (repeats add up): a (ranks, 2, 4) table."""
-    flat = (ranks * 2 + link_class) * 4 + column
-    table += np.bincount(flat, weights=nbytes, minlength=table.size).reshape(table.shape)
-
-
-def plan_rows(plan: Any) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
-    """The rows a :class:`~hf_distca.planning.CorePlan` moves in one forward dispatch, as (holder, server, rows) arrays with holder !=
-    server: query rows of every task, and the key rows of every server's key ranges (each once; the KV
-    prefixes without a sliding window)."""
-    docs, starts, ends, servers = [], [], [], []
-    for server, tasks in enumerate(plan.tasks):
-        for t in tasks:
-            docs.append(t.doc_id)
-            starts.append(t.q_start)
-            ends.append(t.q_end)
-            servers.append(server)
-    kv_docs, kv_starts, kv_ends, kv_servers = [], [], [], []
-    for server, per_doc in enumerate(plan.kv_ranges):
-        for doc, ranges in per_doc.items():
-            for lo, hi in ranges:
-                kv_docs.append(doc)
-                kv_starts.append(lo)
-                kv_ends.append(hi)
-                kv_servers.append(server)
-    out = []
-    for d, a, b, srv in ((docs, starts, ends, servers), (kv_docs, kv_starts, kv_ends, kv_servers)):
-        request, holder, rows = plan.index.segment_rows(d, a, b)
-        server = np.asarray(srv, dtype=np.int64)[request]
-        remote = holder != server
-        out.append((holder[remote], server[remote], rows[remote]))
-    return out[0], out[1]
-
-
-def plan_traffic(plan: Any, link: LinkModel) -> np.ndarray:
-    """Bytes of one forward dispatch per rank and link class, (ranks, 2, 4) with columns Q_OUT, KV_OUT,
-    Q_IN, KV_IN, recomputed from a :class:`~hf_distca.planning.CorePlan`'s tasks and KV prefixes."""
-    traffic = np.zeros((plan.world_size, 2, 4))
-    rows = plan_rows(plan)
-    for (holder, server, n), row_bytes, out_col, in_col in (
-        (rows[0], plan.q_row_bytes, Q_OUT, Q_IN),
-        (rows[1], plan.kv_row_bytes, KV_OUT, KV_IN),
-    ):
-        if link.ranks_per_node is None:
-            link_class = np.full(holder.shape, INTER)
-        else:
-            same = holder // link.ranks_per_node == server // link.ranks_per_node
-            link_class = np.where(same, INTRA, INTER)
-        add_bytes(traffic, holder, link_class, out_col, n * row_bytes)
-        add_bytes(traffic, server, link_class, in_col, n * row_bytes)
-    return traffic
-
-
-def plan_critical_path(plan: Any, link: LinkModel, loads: Any = None) -> float:
+def plan_critical_path(
+    plan: Any, link: LinkModel, loads: Any = None, table: np.ndarray | None = None
+) -> float:
     """Seconds of one layer's core attention on the critical path under ``plan`` (``loads``: per server
-    cost, default the plan's ``load_after``)."""
+    cost, default the plan's ``load_after``; ``table``: the plan's
+    :func:`~hf_distca.planning.traffic.plan_traffic` with the link's topology, when already computed)."""
     loads = plan.load_after if loads is None else loads
-    comm = link.comm_seconds(link.phase_seconds(plan_traffic(plan, link)))
+    table = plan_traffic(plan, link.ranks_per_node) if table is None else table
+    comm = link.comm_seconds(link.phase_seconds(table))
     return link.critical_path(max(loads, default=0.0), comm)
+
+
+Changes = dict[int, list[list[float]]]
+"""rank -> byte deltas per link class [INTRA, INTER] x [Q_OUT, KV_OUT, Q_IN, KV_IN]."""
+
+
+class PhaseTimes:
+    """The link model kept up to date under a changing assignment (the planner's greedy): exact bytes per
+    rank and link class (the ledger's forward-dispatch columns), each rank's seconds in the ledger's
+    distinct phases, and the all-to-all time they add up to; prices a change without applying it."""
+
+    TOP = 8  # ranks kept per phase, slowest first: a move touches a few ranks, the max of the rest is here
+
+    def __init__(self, link: LinkModel, world: int):
+        self.link = link
+        self.world = world
+        self.inverse = tuple(float(x) for x in link.inverse_bandwidth)
+        # the ledger's distinct phases: per phase, (column, weight) terms of what a rank sends / receives
+        send, recv, counts = distinct_phases()
+        self.send_matrix, self.recv_matrix = send.astype(np.float64), recv.astype(np.float64)  # (k, 4)
+        self.terms = [
+            tuple(tuple((j, float(w)) for j, w in enumerate(row) if w) for row in (send[d], recv[d]))
+            for d in range(len(counts))
+        ]
+        self.counts = [float(c) for c in counts]
+        self.forward_send = send_weights()[forward_phases()].sum(axis=0).astype(np.float64)  # (4,)
+        self.forward_terms = tuple((j, float(w)) for j, w in enumerate(self.forward_send) if w)
+        self.bytes = [[[0.0] * 4 for _ in range(2)] for _ in range(world)]
+        self.array = np.zeros((world, 2, 4))  # the same bytes, for pricing moves that touch many ranks
+        self.phase = np.zeros((world, len(counts)))
+        self.top: list[list[tuple[float, int]]] = [[] for _ in counts]
+        self.now = 0.0  # comm_seconds() of the current bytes
+
+    def clone(self) -> PhaseTimes:
+        other = object.__new__(PhaseTimes)
+        other.__dict__.update(self.__dict__)  # the link model and the ledger's terms are shared
+        other.bytes = list(self.bytes)  # apply() replaces a rank's rows, never edits them
+        other.array = self.array.copy()
+        other.phase = self.phase.copy()
+        other.top = [list(t) for t in self.top]
+        other.now = self.now
+        return other
+
+    def rank_phases(self, b: list[list[float]]) -> list[float]:
+        """Seconds of a rank's distinct phases from its bytes (as ``LinkModel.phase_seconds``)."""
+        out = [0.0] * len(self.terms)
+        for c in (INTRA, INTER):
+            w = self.inverse[c]
+            if w == 0.0:
+                continue
+            row = b[c]
+            for d, (send, recv) in enumerate(self.terms):
+                s = r = 0.0
+                for j, x in send:
+                    s += x * row[j]
+                for j, x in recv:
+                    r += x * row[j]
+                out[d] = max(out[d], max(s, r) * w)
+        return out
+
+    def after(self, changes: Changes) -> dict[int, list[list[float]]]:
+        """The new bytes of every rank ``changes`` touches."""
+        out = {}
+        for r, delta in changes.items():
+            old = self.bytes[r]
+            out[r] = [[old[c][j] + delta[c][j] for j in range(4)] for c in (INTRA, INTER)]
+        return out
+
+    def sent(self, b: list[list[float]]) -> float:
+        """Bytes a rank sends in one forward call (the ledger's forward phases)."""
+        total = 0.0
+        for c in (INTRA, INTER):
+            row = b[c]
+            for j, x in self.forward_terms:
+                total += x * row[j]
+        return total
+
+    def comm_seconds(self, new_phases: dict[int, list[float]] | None = None) -> float:
+        """One layer's all-to-all seconds now, or with the ranks of ``new_phases`` at those phase times."""
+        new_phases = new_phases or {}
+        slowest = [max((v[p] for v in new_phases.values()), default=0.0) for p in range(len(self.counts))]
+        return self._comm_with(slowest, new_phases)
+
+    def _comm_with(self, slowest: list[float], touched) -> float:
+        """One layer's all-to-all seconds when the ranks in ``touched`` take at most ``slowest`` (per phase)
+        and every other rank its current phase times."""
+        total = 0.0
+        for p, weight in enumerate(self.counts):
+            rest = None
+            for value, r in self.top[p]:
+                if r not in touched:
+                    rest = value
+                    break
+            if rest is None and len(self.top[p]) < self.world:  # every kept rank is touched: look at all
+                mask = np.ones(self.world, dtype=bool)
+                mask[list(touched)] = False
+                rest = float(self.phase[mask, p].max()) if mask.any() else 0.0
+            total += weight * max(slowest[p], rest or 0.0)
+        return total
+
+    MANY = 24
+    """Moves touching at least this many ranks are priced with arrays (:meth:`exposed_many`)."""
+
+    def exposed_many(self, changes: Changes, bound: float | None) -> float | None:
+        """comm_seconds() with ``changes`` applied minus now, computed on arrays with the same arithmetic as
+        :meth:`after`, :meth:`sent`, :meth:`rank_phases` and :meth:`comm_seconds`; None when a rank would
+        go over the send bound ``bound``."""
+        ranks = list(changes)
+        rows = np.array(ranks, dtype=np.int64)
+        old = self.array[rows]  # (k, 2, 4)
+        new = old + np.array([changes[r] for r in ranks], dtype=np.float64)
+        if bound is not None:
+            sent_new, sent_old = ((b @ self.forward_send).sum(axis=1) for b in (new, old))  # (n,) each
+            if np.any((sent_new > bound) & (sent_new > sent_old)):
+                return None
+        phases = np.zeros((len(ranks), len(self.counts)))
+        for c in (INTRA, INTER):
+            w = self.inverse[c]
+            if w == 0.0:
+                continue
+            by_phase = np.maximum(new[:, c] @ self.send_matrix.T, new[:, c] @ self.recv_matrix.T)  # (n, k)
+            phases = np.maximum(phases, by_phase * w)
+        slowest = [float(x) for x in phases.max(axis=0)]  # (k,)
+        return self._comm_with(slowest, set(ranks)) - self.now
+
+    def apply(self, changes: Changes) -> None:
+        for r, b in self.after(changes).items():
+            self.bytes[r] = b
+            self.array[r] = b
+            self.phase[r] = self.rank_phases(b)
+        self._refresh_top()
+        self.now = self.comm_seconds()
+
+    def _refresh_top(self) -> None:
+        k = min(self.TOP, self.world)
+        for p in range(len(self.counts)):
+            column = self.phase[:, p]
+            ranks = np.argpartition(-column, k - 1)[:k] if k < self.world else np.arange(self.world)
+            self.top[p] = sorted(((float(column[r]), int(r)) for r in ranks), reverse=True)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hf_distca.comm import all_gather_padded
 from hf_distca.linear.config import SCAN_METHODS
 from hf_distca.linear.ops.scan_plan import Edge, ScanPlan
 
@@ -162,18 +163,6 @@ def _reverse_position(e: Edge) -> int:
     return e.chain_edges - 1 - e.position
 
 
-def _all_gather_rows(x: torch.Tensor, count: int, counts: tuple[int, ...], group) -> list[torch.Tensor]:
-    """Every rank's x (counts[r] rows, same trailing shape), padded to max(counts) rows for the collective."""
-    if len(counts) == 1:  # a single process: nothing to gather (works without torch.distributed)
-        return [x]
-    width = max(counts)
-    padded = x.new_zeros((width, *x.shape[1:]))
-    padded[:count] = x
-    gathered = [torch.empty_like(padded) for _ in counts]
-    dist.all_gather(gathered, padded.contiguous(), group=group)
-    return [g[:n] for g, n in zip(gathered, counts)]
-
-
 def scan_forward(
     transitions: torch.Tensor,
     local_states: torch.Tensor,
@@ -189,8 +178,8 @@ def scan_forward(
     h, kd, vd = local_states.shape[1:]
     transitions = transitions.to(local_states.dtype)
     if method == "all_gather":
-        a_all = _all_gather_rows(transitions, len(plan.out_pieces), plan.out_counts, group)
-        s_all = _all_gather_rows(local_states, len(plan.out_pieces), plan.out_counts, group)
+        a_all = all_gather_padded(transitions, plan.out_counts, group)
+        s_all = all_gather_padded(local_states, plan.out_counts, group)
         result = local_states.new_zeros((len(plan.in_pieces), h, kd, vd))
         by_chain = {c[0].chain: c for c in plan.chains}
         for slot, e in enumerate(plan.in_edges):
@@ -242,8 +231,8 @@ def scan_backward(
     transitions = transitions.to(grad_entering.dtype)
     n_out = len(plan.out_pieces)
     if method == "all_gather":
-        a_all = _all_gather_rows(transitions, n_out, plan.out_counts, group)
-        d_all = _all_gather_rows(grad_entering, len(plan.in_pieces), plan.in_counts, group)
+        a_all = all_gather_padded(transitions, plan.out_counts, group)
+        d_all = all_gather_padded(grad_entering, plan.in_counts, group)
         by_chain = {c[0].chain: c for c in plan.chains}
         grad_leaving = grad_entering.new_zeros((n_out, h, kd, vd))
         for slot, e in enumerate(plan.out_edges):

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
+from hf_distca.comm import group_rank_world
 from hf_distca.linear.config import LinearSPConfig
 from hf_distca.linear.ops.all_scan import scan_states
 from hf_distca.linear.ops.fla_backend import fla_kind
@@ -27,14 +27,6 @@ from hf_distca.linear.ops.scan_plan import build_scan_plan
 __all__ = ["linear_attention"]
 
 _DEFAULT = LinearSPConfig()
-
-
-def _group_rank_world(group) -> tuple[int, int]:
-    if not (dist.is_available() and dist.is_initialized()):
-        if group is not None:
-            raise RuntimeError("a process group was passed but torch.distributed is not initialized")
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
 
 
 def linear_attention(
@@ -65,7 +57,7 @@ def linear_attention(
             f"the pieces cover {sum(n for _, _, n in local)} tokens but q holds {q.shape[0]}; pieces must list "
             "this rank's tokens in local order"
         )
-    rank, world = _group_rank_world(group)
+    rank, world = group_rank_world(group)
     if all_pieces is None:
         if world != 1:
             raise ValueError(
