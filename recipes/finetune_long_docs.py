@@ -25,16 +25,17 @@ import hf_distca  # registers attn_implementation="distca"
 from hf_distca.cli import add_config_arguments, config_from_args
 from hf_distca.data.baselines import LAYOUTS
 
+_TINY = dict(  # the tiny built-ins' shared shape
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=65536,
+)
 BUILTIN_MODELS = {
     # name: config fields (of LlamaConfig unless BUILTIN_CONFIG_CLASSES names another), random init, no download
-    "tiny-llama": dict(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=65536,
-    ),
+    "tiny-llama": dict(_TINY),
     "llama3-8b-shaped": dict(
         hidden_size=4096,
         intermediate_size=14336,
@@ -46,24 +47,12 @@ BUILTIN_MODELS = {
         vocab_size=128256,
     ),
     # sliding-window models (distca computes each layer's window exactly; see README "Supported")
-    "tiny-mistral": dict(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=65536,
-        sliding_window=256,  # every layer
-    ),
+    "tiny-mistral": dict(_TINY, sliding_window=256),  # a window in every layer
     "tiny-gemma3": dict(
-        hidden_size=128,
-        intermediate_size=256,
+        _TINY,
         num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=32,
         query_pre_attn_scalar=32,
-        max_position_embeddings=65536,
         sliding_window=256,
         sliding_window_pattern=3,  # 2 local (sliding) layers to 1 global, as Gemma 3's 5:1
     ),
