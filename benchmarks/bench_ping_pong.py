@@ -1,6 +1,7 @@
 """Step time with ping-pong vs without overlap vs free communication, and where the messages are hidden.
 
-Run with torchrun on 2 or more GPUs (one link per run: pass ``--link`` to label it, e.g. run once as is
+Run with torchrun on 2 or more GPUs (on one, nothing is exchanged: it measures what each schedule costs
+by itself; one link per run: pass ``--link`` to label it, e.g. run once as is
 over NVLink and once with ``NCCL_P2P_DISABLE=1``, which routes the all-to-all through host memory at
 about one inter-node NIC's bandwidth). One model (the recipe's ``llama3-8b-shaped`` with ``--layers``
 layers, bf16, attn_implementation="distca", DDP, rematerialization-aware checkpointing by default) and,
@@ -16,6 +17,10 @@ for every length sample and every ``--tokens-per-rank``, the same micro-batches 
   (hf_distca.comm.signal_only): the same schedule, synchronisation and kernels with (almost) free
   communication; the step time ping-pong aims at;
 - ``signal_pp``: ping-pong with 1-byte messages (what splitting the kernels in two costs by itself);
+- ``layer_ping_pong``: DistCAConfig(layer_ping_pong=True): each micro-batch's documents in two nano-batches
+  whose forwards interleave (hf_distca.forward_nano_batches), exchanges hidden behind the other
+  nano-batch's projections, MLP and kernels; ``signal_layers``: the same with 1-byte messages (what
+  splitting the micro-batch costs by itself);
 - ``unbalanced``: the exact computation without balancing (max_planner_moves=0), ping-pong on (it still
   exchanges the KV of documents cut over ranks).
 
@@ -63,30 +68,39 @@ from common import (  # noqa: E402
 )
 from common import write_outputs as write_results  # noqa: E402
 
-from hf_distca import DistCAConfig, enable_distca  # noqa: E402
+from hf_distca import DistCAConfig, enable_distca, forward_nano_batches  # noqa: E402
 from hf_distca.comm import signal_only  # noqa: E402
 from hf_distca.data.baselines import LAYOUTS  # noqa: E402
 
-MODES = ("ping_pong", "ping_pong_halves", "serial", "signal", "signal_pp", "unbalanced")
+MODES = (
+    "ping_pong", "ping_pong_halves", "layer_ping_pong", "serial", "signal", "signal_pp", "signal_layers",
+    "unbalanced",
+)  # fmt: skip
 MODE_CONFIG = {
     "ping_pong": {"ping_pong": True},
     "ping_pong_halves": {"ping_pong": True, "ping_pong_split": "halves"},
     "serial": {"ping_pong": False},
     "signal": {"ping_pong": False},
     "signal_pp": {"ping_pong": True},
+    "layer_ping_pong": {"ping_pong": False, "layer_ping_pong": True},
+    "signal_layers": {"ping_pong": False, "layer_ping_pong": True},
     "unbalanced": {"ping_pong": True, "max_planner_moves": 0},
 }
-SIGNAL_ONLY = {"signal", "signal_pp"}
+SIGNAL_ONLY = {"signal", "signal_pp", "signal_layers"}
 DEVICE = torch.device("cuda")
 DTYPE = torch.bfloat16
 
 
 def one_step(model, opt, batch: dict, mode: str) -> None:
     with signal_only() if mode in SIGNAL_ONLY else contextlib.nullcontext():
-        loss = model(**batch)
+        loss = sum(forward_nano_batches(model, lambda inputs: model(**inputs), batch))
         loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
+
+
+def _nano_batches(mode: str) -> int:
+    return 2 if MODE_CONFIG[mode].get("layer_ping_pong") else 1
 
 
 def run_mode(model, opt, batches: list[dict], mode: str, warmup: int) -> dict:
@@ -256,9 +270,6 @@ def main(argv=None) -> int:
     DEVICE, DTYPE = selected
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world < 2:
-        print("bench_ping_pong.py needs at least 2 processes (torchrun --nproc-per-node N)", file=sys.stderr)
-        return 2
     dist.init_process_group("gloo" if args.cpu else "nccl", timeout=datetime.timedelta(seconds=300))
     rank = dist.get_rank()
     group = dist.new_group(list(range(world))) if args.attn_group == "dedicated" else dist.group.WORLD
@@ -286,18 +297,22 @@ def main(argv=None) -> int:
     for name, sample in samples:
         for tokens in sizes:
             key = f"{name} / {tokens // 1024}K" if tokens >= 1024 else f"{name} / {tokens}"
-            batches = build_batches(
-                sample,
-                tokens,
-                args.warmup + args.steps,
-                rank=rank,
-                world=world,
-                seed=args.seed,
-                layout=LAYOUTS[args.layout],
-                device=DEVICE,
-            )
+            batches = {  # by nano-batches per micro-batch: the same documents and micro-batches in every mode
+                nano: build_batches(
+                    sample,
+                    tokens,
+                    args.warmup + args.steps,
+                    rank=rank,
+                    world=world,
+                    seed=args.seed,
+                    layout=LAYOUTS[args.layout],
+                    device=DEVICE,
+                    nano_batches=nano,
+                )
+                for nano in sorted({_nano_batches(m) for m in modes} | {1})
+            }
             res = results[key] = {
-                "long_share": long_share(batches),
+                "long_share": long_share(batches[1]),
                 "tokens": tokens,
                 "modes": {},
                 "timeline": {},
@@ -305,19 +320,20 @@ def main(argv=None) -> int:
             for mode in modes:
                 cfg = DistCAConfig(backend=args.backend, **MODE_CONFIG[mode])
                 enable_distca(lm, group=group, config=cfg)
-                res["modes"][mode] = run_mode(model, opt, batches, mode, args.warmup)
+                res["modes"][mode] = run_mode(model, opt, batches[_nano_batches(mode)], mode, args.warmup)
                 if rank == 0:
                     print(key, mode, res["modes"][mode], flush=True)
                     write_outputs(results, args, world, config)
             for mode in profiled:
                 enable_distca(lm, group=group, config=DistCAConfig(backend=args.backend, **MODE_CONFIG[mode]))
-                one_step(model, opt, batches[0], mode)  # warm: plans cached, allocator settled
+                mode_batches = batches[_nano_batches(mode)]
+                one_step(model, opt, mode_batches[0], mode)  # warm: plans cached, allocator settled
                 trace = None
                 if args.trace_dir:
                     trace = os.path.join(
                         args.trace_dir, f"{name}_{tokens}_{mode}_{args.link}".replace("/", "_")
                     )
-                res["timeline"][mode] = profile_step(model, opt, batches[-1], mode, trace, rank)
+                res["timeline"][mode] = profile_step(model, opt, mode_batches[-1], mode, trace, rank)
             if rank == 0:
                 write_outputs(results, args, world, config)
     if rank == 0:
@@ -353,12 +369,20 @@ def report(results: dict, args, world: int, config) -> str:
     device = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "CPU (smoke test)"
     env = []
     if DEVICE.type == "cuda":
-        env = ["NCCL_NVLS_ENABLE=0"] + [f"NCCL_P2P_DISABLE={os.environ['NCCL_P2P_DISABLE']}"] * (
-            "NCCL_P2P_DISABLE" in os.environ
-        )
+        p2p = os.environ.get("NCCL_P2P_DISABLE")
+        env = ["NCCL_NVLS_ENABLE=0"] + ([f"NCCL_P2P_DISABLE={p2p}"] if p2p is not None else [])
     lines = [
         f"## Ping-pong, {world} x {device}, link: {args.link}, {args.model} ({args.layers} layers)",
         "",
+        *(
+            [
+                "One process: nothing is exchanged, so these figures are what each schedule costs without "
+                "communication (kernels split in two, nano-batches' half-size GEMMs, thread switches).",
+                "",
+            ]
+            if world == 1
+            else []
+        ),  # fmt: skip
         f"Command: `{' '.join([*env, cmd])}`",
         "",
         f"torch {torch.__version__}, {DTYPE}, hidden {config.hidden_size}, {config.num_attention_heads}/"

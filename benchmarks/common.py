@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 import hf_distca
 from hf_distca import metrics
 from hf_distca.data import DistCABatches, documents_with_lengths
+from hf_distca.data.nano import NANO_BATCHES
 from hf_distca.data.rebatch import LayoutFn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -169,9 +170,13 @@ def build_batches(
     seed: int,
     layout: LayoutFn,
     device: torch.device,
+    nano_batches: int = 1,
 ) -> list[dict]:
     """This rank's first ``count`` micro-batches of documents drawn (seeded) from the length ``sample``,
-    placed on the ranks by ``layout`` (hf_distca.data.baselines.LAYOUTS), moved to ``device``."""
+    placed on the ranks by ``layout`` (hf_distca.data.baselines.LAYOUTS), moved to ``device``. With
+    ``nano_batches`` > 1 a micro-batch that splits holds its nano-batches' inputs under
+    ``hf_distca.data.nano.NANO_BATCHES`` (each with the whole micro-batch's ``num_targets``: their losses
+    add up to the micro-batch's), for :func:`hf_distca.forward_nano_batches`."""
     rng = np.random.default_rng(seed)
     wanted = count * tokens_per_rank * world * 3
     lengths: list[int] = []
@@ -179,19 +184,32 @@ def build_batches(
         lengths += rng.choice(np.asarray(sample), size=256).tolist()
     docs = documents_with_lengths(lengths, vocab_size=VOCAB_DOCS, seed=seed)
     source = DistCABatches(
-        docs, rank=rank, world_size=world, tokens_per_rank=tokens_per_rank, seed=seed, layout=layout
+        docs,
+        rank=rank,
+        world_size=world,
+        tokens_per_rank=tokens_per_rank,
+        seed=seed,
+        layout=layout,
+        nano_batches=nano_batches,
     )
+
+    def model_inputs(batch: dict, targets: int) -> dict:
+        return {
+            "input_ids": batch["input_ids"].to(device),
+            "position_ids": batch["position_ids"].to(device),
+            "shift_labels": batch["shift_labels"].to(device),
+            "distca_layout": batch["distca_layout"],
+            "num_targets": targets,
+        }
+
     batches = []
     for batch in source:
-        batches.append(
-            {
-                "input_ids": batch["input_ids"].to(device),
-                "position_ids": batch["position_ids"].to(device),
-                "shift_labels": batch["shift_labels"].to(device),
-                "distca_layout": batch["distca_layout"],
-                "num_targets": int(batch["shift_labels"].ne(-100).sum()),
-            }
-        )
+        targets = int(batch["shift_labels"].ne(-100).sum())
+        nanos = batch.get(NANO_BATCHES)
+        if nanos is None:
+            batches.append(model_inputs(batch, targets))
+        else:
+            batches.append({NANO_BATCHES: tuple(model_inputs(n, targets) for n in nanos)})
         if len(batches) == count:
             break
     return batches

@@ -8,6 +8,7 @@ from hf_distca.callback import DistCACallback
 from hf_distca.checkpointing import enable_remat_checkpointing, remat_checkpointing_kwargs
 from hf_distca.config import DistCAConfig
 from hf_distca.engine import InconsistentInputError, core_attention, local_attention
+from hf_distca.nano_batches import forward_nano_batches, nano_batch_loss
 from hf_distca.planning import CATask, CorePlan, Piece, PieceError, plan_core_attention
 from hf_distca.trainer import DistCATrainer, DistCATrainerMixin
 
@@ -26,8 +27,10 @@ __all__ = [
     "distca_attention_forward",
     "enable_distca",
     "enable_remat_checkpointing",
+    "forward_nano_batches",
     "local_attention",
     "metrics",
+    "nano_batch_loss",
     "plan_core_attention",
     "remat_checkpointing_kwargs",
 ]

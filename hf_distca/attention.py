@@ -34,7 +34,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from hf_distca.config import DistCAConfig
-from hf_distca.engine import core_attention, local_attention
+from hf_distca.data.nano import NANO_BATCHES
+from hf_distca.engine import core_attention, interleave, local_attention
 from hf_distca.engine.compiled import compiled_core_attention, compiled_local_attention, register_runtime
 from hf_distca.features import UnsupportedFeatureError, check_attention_call
 from hf_distca.packing import (
@@ -341,6 +342,7 @@ def _run_distributed(
         all_pieces=layout.all_pieces,  # the same object for every layer: ranks are checked once per layout
         window=kwargs.get("sliding_window"),  # this layer's (Transformers passes it to sliding layers)
     )  # (S, Hq, D)
+    interleave.attention_done(module)  # a nano-batch resumes the rest of its layer
     return out.view(batch, seq, *out.shape[1:])  # (1, S, Hq, D)
 
 
@@ -454,6 +456,11 @@ def _run_compiled(
     """The attention function's packed paths as custom ops (:mod:`hf_distca.engine.compiled`), which read
     no tensor on the host while the compiler traces. Padded batches and KV caches stay eager-only."""
     batch, num_heads, seq, head_dim = query.shape
+    if interleave.current() is not None:
+        raise UnsupportedFeatureError(
+            "layer-level ping-pong (DistCAConfig(layer_ping_pong=True)) switches nano-batches inside the attention "
+            "function, which a compiled region cannot do; compile without it, or use ping_pong=True (attention-level)"
+        )
     if key.shape[2] != seq:
         raise UnsupportedFeatureError(
             "attn_implementation='distca' inside torch.compile computes training forwards without a KV cache; "
@@ -524,6 +531,11 @@ def distca_attention_forward(
     distributed engine (needs :func:`enable_distca`).
     """
     check_attention_call(module, query, key, dropout, kwargs)
+    if NANO_BATCHES in kwargs:
+        raise ValueError(
+            f"the forward got a micro-batch of layer ping-pong nano-batches ({NANO_BATCHES!r}); run it with "
+            "hf_distca.nano_batch_loss(model, batch) (or DistCATrainer), which runs each nano-batch's forward"
+        )
     if torch.compiler.is_compiling():
         return _run_compiled(module, query, key, value, attention_mask, scaling, kwargs), None
     batch, num_heads, seq, head_dim = query.shape

@@ -167,6 +167,7 @@ class DistCACallback(TrainerCallback):
             pad_token_id=int(pad),
             max_steps=max_steps,
             disaggregate=self.disaggregate,
+            nano_batches=2 if self.config.layer_ping_pong else 1,
             layout=self.layout
             or functools.partial(layout_balanced, ranks_per_node=self.config.ranks_per_node),
         )

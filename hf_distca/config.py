@@ -11,7 +11,7 @@ KERNEL_BACKENDS = ("auto", "cudnn", "torch_varlen", "flash_attn", "reference")
 # How ping-pong splits a micro-batch's core attention (see hf_distca.planning.nano).
 PING_PONG_SPLITS = ("local_first", "halves")
 # DistCAConfig fields that change how a plan is run or checked, never the plan itself.
-RUN_ONLY_FIELDS = ("backend", "check_consistency", "ping_pong", "ping_pong_split")
+RUN_ONLY_FIELDS = ("backend", "check_consistency", "ping_pong", "ping_pong_split", "layer_ping_pong")
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,15 @@ class DistCAConfig:
     'halves': two nano-batches of equal work, each with its own exchanges (the first one's dispatch and
     the second one's return are not hidden)."""
 
+    layer_ping_pong: bool = False
+    """Split each micro-batch's documents into two nano-batches of equal tokens (whole documents, each laid
+    out and planned on its own) that run through the model as coroutines switching inside the attention
+    function (:mod:`hf_distca.engine.interleave`): one nano-batch's exchanges fly while the other runs its
+    projections, MLP and kernels, in forward and backward (same results). Applies to the data path of
+    ``DistCACallback`` / ``DistCABatches`` and to :func:`hf_distca.nano_batch_loss`; inside each nano-batch
+    the exchanges run around the other's work, so ``ping_pong`` does not apply there. A micro-batch with a
+    single document runs whole."""
+
     def plan_fields(self) -> tuple[tuple[str, object], ...]:
         """(name, value) of every field that can change the plan (all but ``RUN_ONLY_FIELDS``): what a
         cached plan is keyed by."""
@@ -160,6 +169,10 @@ class DistCAConfig:
         if not (self.ping_pong is None or isinstance(self.ping_pong, bool)):
             raise ValueError(
                 f"DistCAConfig.ping_pong must be True, False or None (auto), got {self.ping_pong!r}"
+            )
+        if not isinstance(self.layer_ping_pong, bool):
+            raise ValueError(
+                f"DistCAConfig.layer_ping_pong must be True or False, got {self.layer_ping_pong!r}"
             )
         if self.ping_pong_split not in PING_PONG_SPLITS:
             raise ValueError(

@@ -3,7 +3,8 @@
 A callback cannot replace the Trainer's training dataloader, see each micro-batch's loss, or add
 figures to the logs before the ``report_to`` integrations (callbacks that run before user callbacks)
 receive them. :class:`DistCATrainerMixin` overrides the methods Transformers documents for that
-("Subclass and override"): ``get_train_dataloader``, ``training_step`` and ``log``, plus
+("Subclass and override"): ``get_train_dataloader``, ``training_step``, ``compute_loss`` (layer-level
+ping-pong nano-batches) and ``log``, plus
 ``add_callback``; every DistCA setting stays in the one :class:`~hf_distca.callback.DistCACallback`
 the user adds. The two talk through the callback's public methods only: ``attach``,
 ``train_dataloader``, ``record_loss`` and ``log_figures``. The mixin goes in front of any ``transformers.Trainer`` subclass:
@@ -19,6 +20,7 @@ from transformers import Trainer
 
 from hf_distca.callback import DistCACallback
 from hf_distca.data.loader import DistCADataLoader
+from hf_distca.nano_batches import combined_loss, forward_nano_batches, nano_batches_of
 from hf_distca.validation import check_parallelism
 
 
@@ -83,6 +85,25 @@ class DistCATrainerMixin:
         loss = super().training_step(*args, **kwargs)
         self.distca_callback.record_loss(loss)
         return loss
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """``Trainer.compute_loss``; a micro-batch of layer-level ping-pong nano-batches
+        (``DistCAConfig.layer_ping_pong``) runs as their interleaved forwards, losses combined exactly."""
+        nanos = nano_batches_of(inputs)
+        if nanos is None:
+            return super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
+        if return_outputs:
+            raise ValueError(
+                "compute_loss(return_outputs=True) got a micro-batch of layer ping-pong nano-batches, whose "
+                "outputs are per nano-batch; evaluate without DistCAConfig(layer_ping_pong=True)"
+            )
+        parent = super().compute_loss
+        losses = forward_nano_batches(
+            model, lambda nano: parent(model, nano, num_items_in_batch=num_items_in_batch), inputs
+        )
+        return combined_loss(losses, nanos, summed=num_items_in_batch is not None)
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         """``Trainer.log``; training logs (those with a ``loss``) also carry the DistCA figures."""

@@ -1,8 +1,8 @@
 """DistCA under parameter-sharding parallelisms on 2 CPU processes (gloo, fp32) equals 1 process.
 
 DeepSpeed ZeRO-3: ``recipes/finetune_long_docs.py --deepspeed`` (the repository's
-``accelerate_configs/ds_zero3.json`` with the Trainer's optimizer instead of its AdamW), ping-pong off and
-on, documents cut over the ranks, gradient accumulation: the same per-step losses and the same final
+``accelerate_configs/ds_zero3.json`` with the Trainer's optimizer instead of its AdamW), ping-pong off,
+attention-level and layer-level (with gradient checkpointing), documents cut over the ranks, gradient accumulation: the same per-step losses and the same final
 (gathered, saved) weights as the single-process run on the same global batches (``--tokens-per-rank 2T``
 on 1 process, ``T`` on 2).
 
@@ -78,7 +78,8 @@ def test_zero3_recipe_matches_one_process(tmp_path):
     # ZeRO-3 gathers each layer's parameters again for the recompute of gradient checkpointing, while
     # DistCA keeps the layer's attention output (rematerialization-aware)
     modes = {"serial": ["--no-ping-pong"], "ping_pong": ["--ping-pong"],
-             "ping_pong_checkpointing": ["--ping-pong", "--gradient-checkpointing"]}  # fmt: skip
+             "ping_pong_checkpointing": ["--ping-pong", "--gradient-checkpointing"],
+             "layer_ping_pong_checkpointing": ["--layer-ping-pong", "--gradient-checkpointing"]}  # fmt: skip
     _launch(2, [
         ["finetune_long_docs.py", [*COMMON, "--tokens-per-rank", str(BUDGET // 2), "--deepspeed", ds_config, *flags,
                                    "--output-dir", str(tmp_path / name)]]
@@ -104,10 +105,13 @@ def test_zero3_recipe_matches_one_process(tmp_path):
             )
     # ping-pong ran: two server kernels per layer where the serial run has one (and the recompute of
     # checkpointing runs none: the same count with checkpointing as without)
-    for serial, pp, pp_ckpt in zip(*(runs[name][0] for name in modes), strict=True):
+    for serial, pp, pp_ckpt, layers in zip(*(runs[name][0] for name in modes), strict=True):
         assert sum(pp["attn_fwd_kernels"]) > sum(serial["attn_fwd_kernels"]), (pp, serial)
         assert pp_ckpt["attn_fwd_kernels"] == pp["attn_fwd_kernels"], (pp_ckpt, pp)
         assert sum(pp_ckpt["attn_replays"]) > 0 == sum(pp["attn_replays"]), (pp_ckpt, pp)  # checkpointing ran
+        # layer-level: one kernel per nano-batch and layer, each replayed by the recompute
+        assert sum(layers["attn_fwd_kernels"]) > sum(serial["attn_fwd_kernels"]), (layers, serial)
+        assert layers["attn_replays"] == layers["engine_calls"], layers
     # the run learned something
     assert ref_records[-1]["loss"] < ref_records[0]["loss"]
 
@@ -117,12 +121,13 @@ LOOP_TOKENS = 1024  # tokens per micro-batch over all ranks
 LOOP_STEPS, LOOP_ACCUM = 2, 2
 
 
-def _train_loop(rank: int, world: int, ping_pong: bool, shard: bool) -> dict:
+def _train_loop(rank: int, world: int, ping_pong: bool | str, shard: bool) -> dict:
     """The training loop of recipes/accelerate_loop.py (same global batches on any world size, loss
     token-weighted over the whole global batch) with the model sharded by FSDP2 when ``shard``.
 
     Returns the per-step losses, the full final weights (gathered from the shards) and the engine's
-    counters of the run."""
+    counters of the run. ``ping_pong``: attention-level (True), off (False) or ``"layers"`` (layer-level:
+    each micro-batch as two nano-batches whose forwards interleave, :func:`hf_distca.nano_batch_loss`)."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
@@ -134,7 +139,8 @@ def _train_loop(rank: int, world: int, ping_pong: bool, shard: bool) -> dict:
 
     documents = generate_documents(60, vocab_size=256, seed=3, mean_length=300, max_length=1000)
     batches = DistCABatches(documents, rank=rank, world_size=world, tokens_per_rank=LOOP_TOKENS // world,
-                            grad_accum=LOOP_ACCUM, seed=3, max_steps=LOOP_STEPS)  # fmt: skip
+                            grad_accum=LOOP_ACCUM, seed=3, max_steps=LOOP_STEPS,
+                            nano_batches=2 if ping_pong == "layers" else 1)  # fmt: skip
     torch.manual_seed(3)  # the same initial weights on every rank and in the reference
     config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192)  # fmt: skip
@@ -142,7 +148,7 @@ def _train_loop(rank: int, world: int, ping_pong: bool, shard: bool) -> dict:
     hf_distca.enable_distca(
         model,
         group=dist.group.WORLD if world > 1 else None,
-        config=hf_distca.DistCAConfig(shard_tokens=64, ping_pong=ping_pong),
+        config=hf_distca.DistCAConfig(shard_tokens=64, ping_pong=ping_pong is True),
     )
     if shard:  # one FSDP2 unit per decoder layer, the rest (embeddings, norm, head) in the root unit
         for layer in model.model.layers:
@@ -161,10 +167,10 @@ def _train_loop(rank: int, world: int, ping_pong: bool, shard: bool) -> dict:
         for i, batch in enumerate(step_batches):
             if shard:  # gradients accumulate unsharded; reduce-scattered once, after the last micro-batch
                 model.set_requires_gradient_sync(i == LOOP_ACCUM - 1)
-            out = model(**batch, num_items_in_batch=int(total))
+            loss = hf_distca.nano_batch_loss(model, batch, num_items_in_batch=int(total))
             # FSDP2 averages gradients over ranks; scale so the sum over ranks is the global mean
-            (out.loss * world).backward()
-            step_loss += out.loss.detach()
+            (loss * world).backward()
+            step_loss += loss.detach()
         optimizer.step()
         optimizer.zero_grad()
         if world > 1:
@@ -181,13 +187,13 @@ def _train_loop(rank: int, world: int, ping_pong: bool, shard: bool) -> dict:
 
 
 def _fsdp2_worker(rank: int, world: int) -> dict:
-    return {pp: _train_loop(rank, world, ping_pong=pp, shard=True) for pp in (False, True)}
+    return {pp: _train_loop(rank, world, ping_pong=pp, shard=True) for pp in (False, True, "layers")}
 
 
 @pytest.mark.slow
 def test_fsdp2_loop_matches_one_process():
     """DistCA attention in a model sharded by FSDP2 (fully_shard, 2 gloo processes, gradient accumulation,
-    ping-pong off and on) trains the losses and final weights of the unsharded single-process run.
+    ping-pong off, attention-level and layer-level) trains the losses and final weights of the unsharded single-process run.
 
     The Trainer cannot run FSDP on the CPU (see the module docstring), so this is FSDP2 without Accelerate:
     the composition itself (parameters all-gathered around DistCA's exchanges, gradients reduce-scattered)."""
@@ -208,9 +214,9 @@ def test_fsdp2_loop_matches_one_process():
                 want = reference["weights"][name]
                 msg = f"rank {rank}, ping_pong={pp}: {name}"
                 torch.testing.assert_close(w, want, rtol=0, atol=TOL["train_weights"][1], msg=msg)
-        # ping-pong ran: two server kernels per layer where the serial run has one
+        # ping-pong ran: two server kernels per layer (two parts, or one per nano-batch) where serial has one
         kernels = {pp: run["attn_fwd_kernels"] for pp, run in runs.items()}
-        assert kernels[True] > kernels[False], (rank, kernels)
+        assert kernels[True] > kernels[False] and kernels["layers"] > kernels[False], (rank, kernels)
 
 
 def _recipe():

@@ -511,9 +511,12 @@ def test_ping_pong_flags_come_from_the_config():
         DistCAConfig(ping_pong=1)
 
 
-def test_ping_pong_recipe_ddp_matches(tmp_path):
+@pytest.mark.parametrize("flag", ["--ping-pong", "--layer-ping-pong"])
+def test_ping_pong_recipe_ddp_matches(tmp_path, flag):
     """recipes/finetune_long_docs.py on 2 processes (DDP, gloo, gradient checkpointing, which keeps
-    the attention outputs): the same losses and final weights with and without ping-pong."""
+    the attention outputs, 2 micro-batches per step): the same losses and final weights with and without
+    ping-pong, attention-level (``--ping-pong``) or layer-level (``--layer-ping-pong``: the Trainer's
+    compute_loss runs the two nano-batches' forwards interleaved)."""
     from safetensors.torch import load_file
 
     common = [
@@ -521,10 +524,8 @@ def test_ping_pong_recipe_ddp_matches(tmp_path):
         "--mean-doc-words", "300", "--max-doc-words", "1500", "--shard-tokens", "64", "--seed", "3",
         "--tokens-per-rank", "1024", "--gradient-checkpointing",
     ]  # fmt: skip
-    runs = [
-        ["finetune_long_docs.py", [*common, flag, "--output-dir", str(tmp_path / flag)]]
-        for flag in ("--ping-pong", "--no-ping-pong")
-    ]
+    off = "--no-" + flag[2:]
+    runs = [["finetune_long_docs.py", [*common, f, "--output-dir", str(tmp_path / f)]] for f in (flag, off)]
     (tmp_path / "runs.json").write_text(json.dumps(runs))
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -534,20 +535,20 @@ def test_ping_pong_recipe_ddp_matches(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     records, weights = {}, {}
-    for flag in ("--ping-pong", "--no-ping-pong"):
-        out = tmp_path / flag
-        records[flag] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        weights[flag] = load_file(str(out / "model" / "model.safetensors"))
-    pp, serial = records["--ping-pong"], records["--no-ping-pong"]
+    for f in (flag, off):
+        out = tmp_path / f
+        records[f] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        weights[f] = load_file(str(out / "model" / "model.safetensors"))
+    pp, serial = records[flag], records[off]
     assert [r["step"] for r in pp] == [r["step"] for r in serial] == [1, 2]
     for got, want in zip(pp, serial, strict=True):
         assert abs(got["loss"] - want["loss"]) <= TOL["train_loss"][0] * abs(want["loss"]), (got, want)
         assert sum(want["bytes_sent"]) > 0  # documents cut over ranks: the engine communicated
-        # ping-pong ran: two server kernels per layer where the serial run has one
+        # ping-pong ran: two server kernels per layer (one per nano-batch) where the serial run has one
         assert sum(got["attn_fwd_kernels"]) > sum(want["attn_fwd_kernels"]), (got, want)
-    assert weights["--ping-pong"].keys() == weights["--no-ping-pong"].keys()
-    for name, w in weights["--ping-pong"].items():
-        torch.testing.assert_close(w, weights["--no-ping-pong"][name], rtol=0, atol=TOL["train_weights"][1])
+    assert weights[flag].keys() == weights[off].keys()
+    for name, w in weights[flag].items():
+        torch.testing.assert_close(w, weights[off][name], rtol=0, atol=TOL["train_weights"][1])
 
 
 # ---------------------------------------------------------------------------- the GPU benchmark
@@ -623,7 +624,13 @@ def test_ping_pong_bench_cpu_smoke(tmp_path):
     results = json.loads((tmp_path / "pp.json").read_text())
     (res,) = results.values()
     modes = res["modes"]
-    assert list(modes) == ["ping_pong", "ping_pong_halves", "serial", "signal", "signal_pp", "unbalanced"]
+    assert list(modes) == [
+        "ping_pong", "ping_pong_halves", "layer_ping_pong", "serial", "signal", "signal_pp", "signal_layers",
+        "unbalanced",
+    ]  # fmt: skip
+    # layer-level: one server kernel per nano-batch and layer; signal-only layers send 1-byte messages
+    assert modes["layer_ping_pong"]["kernels"] == 2 * modes["serial"]["kernels"]
+    assert modes["layer_ping_pong"]["sent_gib"] > 1000 * modes["signal_layers"]["sent_gib"] > 0
     # ping-pong runs more server kernels per layer than serial's one; signal-only sends 1-byte messages
     assert modes["ping_pong_halves"]["kernels"] == 2 * modes["serial"]["kernels"] > 0
     assert modes["ping_pong"]["kernels"] > modes["serial"]["kernels"]

@@ -6,12 +6,14 @@ each global micro-batch without communication; each rank then keeps its own shar
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from hf_distca.data.nano import NANO_BATCHES, split_documents
 from hf_distca.data.rebatch import LayoutFn, layout_balanced, layout_for_rank
 from hf_distca.data.sampler import plan_global_batches
 from hf_distca.engine.compiled import register_layout
@@ -96,6 +98,7 @@ class DistCABatches(IterableDataset):
         max_steps: int | None = None,
         disaggregate: bool = True,
         layout: LayoutFn | None = None,
+        nano_batches: int = 1,
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
@@ -110,12 +113,18 @@ class DistCABatches(IterableDataset):
         self.disaggregate = disaggregate
         self.layout = layout or layout_balanced
         """Places each micro-batch's documents on the ranks (default: the cost-balanced layout_balanced)."""
+        if not isinstance(nano_batches, int) or nano_batches < 1:
+            raise ValueError(f"nano_batches must be a positive int, got {nano_batches!r}")
+        self.nano_batches = nano_batches
+        """Nano-batches per micro-batch for layer-level ping-pong (:mod:`hf_distca.data.nano`; 1: none)."""
         self.epoch = 0
         self.current_step: int | None = None
         """Stream index of the step whose micro-batch was yielded last (None before the first)."""
         self._plans: dict[int, list[list[list[int]]]] = {}  # data epoch -> its steps (the last two used)
         self._plan_sizes: list[int] = []  # steps of data epochs 0, 1, ... planned so far
-        self._layouts: dict[int, list] = {}  # stream step -> every rank's pieces per micro-batch yielded
+        self._layouts: dict[
+            int, list
+        ] = {}  # stream step -> per micro-batch yielded, each nano-batch's all_pieces
 
     def set_epoch(self, epoch: int) -> None:
         """The next iteration yields chunk ``epoch`` of the step stream."""
@@ -186,16 +195,18 @@ class DistCABatches(IterableDataset):
         if layouts is None or len(layouts) != len(micro_batches):
             budget = self.tokens_per_rank * self.world_size
             lengths = self.documents.lengths
-            layouts = [
-                (layout or self.layout)(
-                    [min(lengths[i], budget) for i in doc_indices],
-                    world_size=self.world_size,
-                    tokens_per_rank=self.tokens_per_rank,
-                )
+            layouts = [  # laid out here: each micro-batch whole
+                [
+                    (layout or self.layout)(
+                        [min(lengths[i], budget) for i in doc_indices],
+                        world_size=self.world_size,
+                        tokens_per_rank=self.tokens_per_rank,
+                    )
+                ]
                 for doc_indices in micro_batches
             ]
         total = [0] * self.world_size
-        for pieces in layouts:
+        for pieces in (nano for micro in layouts for nano in micro):
             for rank, rank_pieces in enumerate(pieces):
                 total[rank] += sum(
                     attended_pairs(p.doc_start, p.doc_start + p.length, w)
@@ -205,16 +216,38 @@ class DistCABatches(IterableDataset):
         return total
 
     def micro_batch(self, docs: Sequence[Sequence[int]]) -> dict:
-        """This rank's share of one global micro-batch of documents."""
+        """This rank's share of one global micro-batch of documents. With ``nano_batches`` > 1 (and
+        enough documents) its ``distca_nano_batches`` holds one such dict per nano-batch (each laid out
+        on its own, with the same tokens per rank) and its ``input_ids`` and ``labels`` are theirs
+        concatenated (and ``shift_labels``), for counting only: run it with :func:`hf_distca.forward_nano_batches`."""
         return self._micro_batch(docs)[0]
 
-    def _micro_batch(self, docs: Sequence[Sequence[int]]) -> tuple[dict, tuple]:
-        """:meth:`micro_batch` and every rank's pieces of its layout."""
+    def _micro_batch(self, docs: Sequence[Sequence[int]]) -> tuple[dict, list[tuple]]:
+        """:meth:`micro_batch` and every rank's pieces of the layout of each of its nano-batches."""
+        groups = None
+        if self.nano_batches > 1 and self.disaggregate:
+            groups = split_documents([len(d) for d in docs], self.nano_batches)
+        if groups is None:
+            batch, all_pieces = self._laid_out(docs, self.tokens_per_rank)
+            return batch, [all_pieces]
+        tokens = max(math.ceil(sum(len(docs[i]) for i in g) / self.world_size) for g in groups)
+        nanos = [self._laid_out([docs[i] for i in g], tokens) for g in groups]
+        labels = torch.cat([b["shift_labels"] for b, _ in nanos], dim=1)  # (1, sum of T_nano)
+        batch = {  # what the Trainer counts (tokens seen, targets: shift_labels, already shifted)
+            "input_ids": torch.cat([b["input_ids"] for b, _ in nanos], dim=1),
+            "labels": labels,
+            "shift_labels": labels,
+            NANO_BATCHES: tuple(b for b, _ in nanos),
+        }
+        return batch, [pieces for _, pieces in nanos]
+
+    def _laid_out(self, docs: Sequence[Sequence[int]], tokens_per_rank: int) -> tuple[dict, tuple]:
+        """This rank's model inputs for ``docs`` laid out at ``tokens_per_rank``, and every rank's pieces."""
         mine = layout_for_rank(
             docs,
             rank=self.rank,
             world_size=self.world_size,
-            tokens_per_rank=self.tokens_per_rank,
+            tokens_per_rank=tokens_per_rank,
             pad_token_id=self.pad_token_id,
             layout=self.layout,
         )

@@ -49,6 +49,8 @@ import torch
 from hf_distca import metrics
 from hf_distca.checkpointing import SavedAttention, keep_for_recompute, take_saved_attention
 from hf_distca.config import DistCAConfig
+from hf_distca.engine import interleave
+from hf_distca.engine.layer_op import interleaved_core_attention
 from hf_distca.engine.nano import NanoSplit, nano_batches, whole
 from hf_distca.engine.prepare import PreparedAttention, prepare
 from hf_distca.engine.stages import (
@@ -60,17 +62,13 @@ from hf_distca.engine.stages import (
     gather_outputs,
     return_grads,
     return_outputs,
+    stage_range,
 )
 from hf_distca.kernels import attention_backward, attention_forward
 
 
 def _wait(exchange) -> torch.Tensor | None:
     return None if exchange is None else exchange.wait()
-
-
-def _stage(name: str) -> torch.profiler.record_function:
-    """A profiler range ``distca.<name>`` around one stage (a few microseconds when nothing profiles)."""
-    return torch.profiler.record_function("distca." + name)
 
 
 @dataclass(frozen=True)
@@ -116,17 +114,17 @@ class PingPongRunner:
         parts, name = self.split.parts, self._name
         in_flight = []
         for j, part in enumerate(parts):
-            with _stage(name(f"{pass_}.dispatch", j)):
+            with stage_range(name(f"{pass_}.dispatch", j)):
                 in_flight.append(start(part))
         returning = []
         for j, part in enumerate(parts):
-            with _stage(name(f"{pass_}.wait_dispatch", j)):
+            with stage_range(name(f"{pass_}.wait_dispatch", j)):
                 received = _wait(in_flight[j])
             in_flight[j] = None  # the received rows are freed once the kernel has run
-            with _stage(name(f"{pass_}.compute", j)):
+            with stage_range(name(f"{pass_}.compute", j)):
                 result = run(j, part, received)
             del received
-            with _stage(name(f"{pass_}.return", j)):
+            with stage_range(name(f"{pass_}.return", j)):
                 returning.append(finish(part, result))
             del result
         return returning
@@ -149,7 +147,7 @@ class PingPongRunner:
         )
         gathered = []
         for j, part in enumerate(parts):
-            with _stage(name("fwd.wait_return", j)):
+            with stage_range(name("fwd.wait_return", j)):
                 returned = _wait(returning[j])
             gathered.append(gather_outputs(part, outs[j], returned))  # (rows_j, Hq, D)
         out = self._in_local_order(gathered, q.device)  # (T_local, Hq, D)
@@ -178,7 +176,7 @@ class PingPongRunner:
         )
         dqs, dk, dv = [], None, None
         for j, part in enumerate(parts):
-            with _stage(name("bwd.wait_return", j)):
+            with stage_range(name("bwd.wait_return", j)):
                 dq_j, dk_j, dv_j = gather_grads(part, returning[j], None)  # dk/dv: accumulation dtype
             returning[j] = None
             dqs.append(dq_j)  # (rows_j, Hq, D)
@@ -292,6 +290,12 @@ def core_attention(
     config = config or DistCAConfig()
     prepared = prepare(q, k, v, pieces, group=group, config=config, all_pieces=all_pieces, window=window)
     metrics.record_call(prepared.flops_before, prepared.flops_after)
+    here = interleave.current()
+    if here is not None:  # a nano-batch of an interleaved forward: its exchanges around the other's work
+        runner = PingPongRunner(whole(prepared), group, scale, config.backend)
+        return interleaved_core_attention(
+            q, k, v, prepared, *here, group=group, scale=scale, backend=config.backend, runner=runner
+        )
     runner = engine_runner(prepared, group=group, config=config, scale=scale, on_cuda=q.is_cuda)
     return _AttentionOp.apply(q, k, v, runner, None)
 

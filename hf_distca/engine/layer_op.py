@@ -1,0 +1,177 @@
+"""Core attention of one nano-batch inside an interleaved forward (layer-level ping-pong).
+
+The operator of :mod:`.op` runs a whole attention call inside one autograd node. Here the call is cut at
+its two exchanges into three nodes, and the turn passes to the other nano-batch (:mod:`.interleave`)
+after each cut, so that an exchange flies while the other nano-batch computes:
+
+forward                                           backward (reverse order, the chain enforces it)
+1. ``_Dispatch``: start the dispatch; switch      3'. wait for the gradients' return, gather dq, dk, dv
+2. ``_Serve``: wait for it, run the server        2'. wait for the backward dispatch, run the backward
+   kernel, start the return; switch                   kernel, start the gradients' return
+3. ``_Return``: wait for it, gather the output    1'. start the backward dispatch (q, out, dout, k, v)
+
+So in forward nano-batch A's dispatch flies while B runs its projections (and its own dispatch starts),
+A's return while B's kernel runs, and B's return while A runs its MLP and the next layer's projections;
+backward mirrors it. Same stages, same bytes, same results as :func:`hf_distca.engine.core_attention`
+with one part (the micro-batch is split into nano-batches by the data path, not here).
+
+The three nodes share one :class:`_Call` (the plan, the exchanges in flight, the server's log-sum-exp).
+Only ``_Return`` saves tensors (q, k, v, out, as the operator of :mod:`.op` does), so activation
+checkpointing's recompute and rematerialization-aware checkpointing (:mod:`hf_distca.checkpointing`: the
+replay saves the same four) work unchanged. Gradients of q, k, v leave through ``_Dispatch``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hf_distca.checkpointing import keep_for_recompute
+from hf_distca.comm import Exchange
+from hf_distca.engine.interleave import Interleave
+from hf_distca.engine.prepare import PreparedAttention
+from hf_distca.engine.stages import (
+    GradReturn,
+    compute,
+    compute_backward,
+    dispatch,
+    dispatch_backward,
+    gather_grads,
+    gather_outputs,
+    return_grads,
+    return_outputs,
+    stage_range,
+)
+
+
+@dataclass
+class _Call:
+    """One attention call of one nano-batch, shared by its three nodes."""
+
+    prep: PreparedAttention
+    group: Any
+    scale: float | None
+    backend: str
+    kv_dtype: torch.dtype
+    runner: Any
+    """The same call's one-part runner: what a rematerialization-aware replay records."""
+    index: int
+    """The nano-batch's index: its stages' profiler ranges are ``distca.<pass>.<stage>.<index>``."""
+    in_flight: Exchange | None = None
+    """The exchange started by the last node that ran (forward or backward)."""
+    out_kernel: torch.Tensor | None = None
+    lse: torch.Tensor | None = None
+    backward_inputs: tuple | None = None
+    """(q, k, v, out, dout) from the backward dispatch to the backward kernel."""
+    grads: GradReturn | None = None
+
+    def wait(self) -> torch.Tensor | None:
+        exchange, self.in_flight = self.in_flight, None
+        return None if exchange is None else exchange.wait()
+
+
+def _next(token: torch.Tensor) -> torch.Tensor:
+    return token.new_empty(0)  # the next link of the chain (zero-size; autograd links it to this node)
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, token, call: _Call):  # type: ignore[override]
+        with stage_range(f"fwd.dispatch.{call.index}"):
+            call.in_flight = dispatch(call.prep, q, k, v, call.group, async_op=True)
+        ctx.call = call
+        return _next(token)
+
+    @staticmethod
+    def backward(ctx, dtoken):  # type: ignore[override]
+        call = ctx.call
+        with stage_range(f"bwd.wait_return.{call.index}"):
+            dq, dk, dv = gather_grads(call.prep, call.grads, call.kv_dtype)
+        call.grads = None
+        return dq, dk, dv, dtoken, None
+
+
+class _Serve(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, token, call: _Call):  # type: ignore[override]
+        with stage_range(f"fwd.wait_dispatch.{call.index}"):
+            received = call.wait()
+        with stage_range(f"fwd.compute.{call.index}"):
+            call.out_kernel, call.lse = compute(
+                call.prep, q, k, v, received, scale=call.scale, backend=call.backend
+            )  # (Tk, Hq, D), (Tk, Hq)
+        del received  # the received rows are freed once the kernel has run
+        with stage_range(f"fwd.return.{call.index}"):
+            call.in_flight = return_outputs(call.prep, call.out_kernel, call.group, async_op=True)
+        ctx.call = call
+        return _next(token)
+
+    @staticmethod
+    def backward(ctx, dtoken):  # type: ignore[override]
+        call = ctx.call
+        q, k, v, out, dout = call.backward_inputs
+        call.backward_inputs = None
+        with stage_range(f"bwd.wait_dispatch.{call.index}"):
+            received = call.wait()
+        with stage_range(f"bwd.compute.{call.index}"):
+            grads = compute_backward(
+                call.prep, q, k, v, out, dout, call.lse, received, scale=call.scale, backend=call.backend
+            )  # dq (Tk, Hq, D), dk and dv (Tkv, Hkv, D)
+        del received
+        with stage_range(f"bwd.return.{call.index}"):
+            call.grads = return_grads(call.prep, *grads, call.group, async_op=True)
+        return None, None, None, dtoken, None
+
+
+class _Return(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, token, call: _Call):  # type: ignore[override]
+        with stage_range(f"fwd.wait_return.{call.index}"):
+            returned = call.wait()
+        out = gather_outputs(call.prep, call.out_kernel, returned)  # (T_local, Hq, D)
+        call.out_kernel = None
+        keep_for_recompute(out, call.lse, call.runner)
+        ctx.save_for_backward(q, k, v, out)
+        ctx.call = call
+        return out, _next(token)
+
+    @staticmethod
+    def backward(ctx, dout, dtoken):  # type: ignore[override]
+        call = ctx.call
+        q, k, v, out = ctx.saved_tensors
+        dout = dout.contiguous()
+        call.backward_inputs = (q, k, v, out, dout)
+        with stage_range(f"bwd.dispatch.{call.index}"):
+            call.in_flight = dispatch_backward(call.prep, q, k, v, out, dout, call.group, async_op=True)
+        return None, None, None, dtoken, None
+
+
+def interleaved_core_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prep: PreparedAttention,
+    inter: Interleave,
+    index: int,
+    *,
+    group: Any,
+    scale: float | None,
+    backend: str,
+    runner: Any,
+) -> torch.Tensor:
+    """Balanced core attention of nano-batch ``index`` of ``inter``: the three nodes, with a switch to the
+    other nano-batch after the first two. q: (T_local, Hq, D); k, v: (T_local, Hkv, D); returns
+    (T_local, Hq, D), differentiable w.r.t. q, k and v. ``runner``: the call's one-part runner (kept for
+    a rematerialization-aware replay)."""
+    call = _Call(prep, group, scale, backend, k.dtype, runner, index)
+    token = _Dispatch.apply(q, k, v, inter.chain_token(q), call)
+    inter.set_chain_token(token)
+    inter.switch(index)
+    token = _Serve.apply(q, k, v, inter.chain_token(q), call)
+    inter.set_chain_token(token)
+    inter.switch(index)
+    out, token = _Return.apply(q, k, v, inter.chain_token(q), call)
+    inter.set_chain_token(token)
+    return out

@@ -1,0 +1,312 @@
+"""Layer-level ping-pong (DistCAConfig.layer_ping_pong): two nano-batches through the model as coroutines.
+
+- The split (no processes): whole documents, tokens as equal as longest-first allows, None when a
+  nano-batch would be empty; the data path lays each nano-batch out on its own (same tokens per rank).
+- The scheduler (one process): turns alternate at switches in a fixed order; a failure in one nano-batch
+  stops the other and is raised, without hanging.
+- On 2 and 4 gloo processes (one spawn each): a tiny Llama's micro-batch split into two nano-batches by the data path;
+  the interleaved forwards' combined loss and every parameter gradient equal the two nano-batches run one
+  after the other and the single-process oracle (the whole batch packed in one process, fp32), with no
+  checkpointing, plain recompute and rematerialization-aware checkpointing (which runs no attention
+  forward in backward); the engine's bytes and kernel runs equal the serial run's; and the stages ran in
+  the interleaved order in forward AND backward (the chain of engine nodes): nano-batch A's dispatch is in
+  flight while B computes, and so on (the exact sequence is derived from the rule in
+  hf_distca/engine/layer_op.py).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import run_distributed
+from test_engine_remat import LAYERS, MODES, assert_grads_close, docs_of, grads_of, tiny_llama, with_mode
+from tolerances import TOL
+from transformers import DataCollatorWithFlattening
+
+from hf_distca import DistCAConfig, enable_distca, metrics, nano_batch_loss
+from hf_distca.data import DistCABatches
+from hf_distca.data.nano import NANO_BATCHES, split_documents
+from hf_distca.engine import interleave
+
+LENGTHS = [150, 40, 25, 9, 31, 60, 70]
+TOKENS_PER_RANK = 256
+
+
+# ------------------------------------------------------------------------------------ the split
+def test_split_documents_whole_and_even():
+    groups = split_documents([150, 40, 25, 9, 31, 60], 2)
+    assert groups == [[0, 3], [1, 2, 4, 5]]  # 159 and 156 tokens
+    assert sorted(i for g in groups for i in g) == list(range(6))
+    assert split_documents([500], 2) is None  # one document: the micro-batch runs whole
+    assert split_documents([3, 3, 3], 3) == [[0], [1], [2]]
+    with pytest.raises(ValueError, match="parts must be >= 1"):
+        split_documents([1], 0)
+
+
+def test_loader_lays_out_each_nano_batch():
+    docs = docs_of(LENGTHS, seed=1)
+    whole = DistCABatches(docs, rank=0, world_size=2, tokens_per_rank=TOKENS_PER_RANK).micro_batch(docs)
+    assert NANO_BATCHES not in whole
+    batches = [
+        DistCABatches(docs, rank=r, world_size=2, tokens_per_rank=TOKENS_PER_RANK, nano_batches=2)
+        for r in range(2)
+    ]
+    split = batches[0].micro_batch(docs)
+    a, b = split[NANO_BATCHES]
+    assert a["input_ids"].shape == b["input_ids"].shape  # the same tokens per rank in both
+    assert torch.equal(split["input_ids"], torch.cat([a["input_ids"], b["input_ids"]], dim=1))
+    # every document once, whole, in one nano-batch: the pieces of both nano-batches over both ranks
+    groups = split_documents(LENGTHS, 2)
+    for nano, group in zip((a, b), groups, strict=True):
+        held = {}
+        for pieces in nano["distca_layout"].all_pieces:
+            for doc, start, n in pieces:
+                if doc < len(group):
+                    held.setdefault(doc, []).append((start, n))
+        assert {group[d]: sum(n for _, n in runs) for d, runs in held.items()} == {
+            i: LENGTHS[i] for i in group
+        }
+    # the Trainer counts targets from shift_labels when present (else labels[..., 1:]): the whole one's count
+    assert torch.equal(split["shift_labels"], split["labels"])
+    # targets: the same count as the micro-batch laid out whole
+    targets = sum(int((bt.micro_batch(docs)["labels"] != -100).sum()) for bt in batches)
+    assert targets == sum(n - 1 for n in LENGTHS)
+
+
+# ------------------------------------------------------------------------------------ the scheduler
+def test_interleave_turns_and_failures():
+    log = []
+
+    def nano(name: str, steps: int):
+        def run():
+            for s in range(steps):
+                log.append(f"{name}{s}")
+                interleave.switch()
+            return name
+
+        return run
+
+    assert interleave.run_interleaved([nano("a", 3), nano("b", 2)]) == ["a", "b"]
+    assert log == ["a0", "b0", "a1", "b1", "a2"]
+    assert interleave.current() is None
+
+    def fails():
+        interleave.switch()
+        raise KeyError("nano-batch B failed")
+
+    ran = []
+
+    def keeps_going():
+        for s in range(5):
+            ran.append(s)
+            interleave.switch()
+
+    with pytest.raises(KeyError, match="nano-batch B failed"):
+        interleave.run_interleaved([keeps_going, fails])
+    assert ran == [0, 1]  # stopped at its next switch after B failed
+    assert threading.active_count() == 1 or all(
+        not t.name.startswith("distca-nano") for t in threading.enumerate()
+    )
+
+
+def test_nano_batches_refused_by_a_plain_forward():
+    docs = docs_of(LENGTHS, seed=1)
+    batch = DistCABatches(
+        docs, rank=0, world_size=1, tokens_per_rank=sum(LENGTHS), nano_batches=2
+    ).micro_batch(docs)
+    model = tiny_llama()
+    enable_distca(model, config=DistCAConfig(shard_tokens=8, backend="reference"))
+    with pytest.raises(ValueError, match="nano_batch_loss"):
+        model(**batch)
+
+
+# ------------------------------------------------------------------------------------ 2 processes
+def _expected_stages(layers: int) -> tuple[list[str], list[str]]:
+    """The stages' order in forward and backward from the rule of hf_distca/engine/layer_op.py: nodes
+    D (dispatch), S (kernel, return) and R (gather) per layer and nano-batch, created in the order the
+    turns take; backward runs them in reverse."""
+    nodes = [("D", "A", 0), ("D", "B", 0)]
+    for layer in range(layers):
+        nodes += [("S", "A", layer), ("S", "B", layer), ("R", "A", layer)]
+        if layer + 1 < layers:
+            nodes.append(("D", "A", layer + 1))
+        nodes.append(("R", "B", layer))
+        if layer + 1 < layers:
+            nodes.append(("D", "B", layer + 1))
+    forward_stages = {"D": ["dispatch"], "S": ["compute", "return_outputs"], "R": ["gather_outputs"]}
+    backward_stages = {
+        "R": ["dispatch_backward"],
+        "S": ["compute_backward", "return_grads"],
+        "D": ["gather_grads"],
+    }
+    fwd = [f"{s}.{nano}{layer}" for kind, nano, layer in nodes for s in forward_stages[kind]]
+    bwd = [f"{s}.{nano}{layer}" for kind, nano, layer in reversed(nodes) for s in backward_stages[kind]]
+    return fwd, bwd
+
+
+def _case(rank: int, world: int) -> dict:
+    from hf_distca.engine import layer_op
+
+    base = tiny_llama(seed=7)
+    docs = docs_of(LENGTHS, seed=11)
+    loader = DistCABatches(docs, rank=rank, world_size=world, tokens_per_rank=TOKENS_PER_RANK, nano_batches=2)
+    batch = loader.micro_batch(docs)
+    n_targets = sum(n - 1 for n in LENGTHS)
+    config = DistCAConfig(shard_tokens=8, tolerance=0.0, backend="reference", layer_ping_pong=True)
+    runs = {}
+    for mode in MODES:
+        for schedule in ("interleaved", "serial"):
+            model = with_mode(base, mode)
+            enable_distca(model, group=dist.group.WORLD, config=config)
+            metrics.reset()
+            log: list = []
+            originals: dict = {}
+            if schedule == "interleaved":
+                _wrap_stages(layer_op, originals, log)
+                try:
+                    loss = nano_batch_loss(model, batch, num_items_in_batch=n_targets)
+                    loss.backward()
+                finally:
+                    for name, fn in originals.items():
+                        setattr(layer_op, name, fn)
+            else:  # the same nano-batches one after the other, through the engine's usual operator
+                loss = sum(model(**nano, num_items_in_batch=n_targets).loss for nano in batch[NANO_BATCHES])
+                loss.backward()
+            stats = metrics.snapshot()
+            total = torch.tensor([float(loss.detach())], dtype=torch.float64)
+            dist.all_reduce(total)
+            grads = grads_of(model)
+            for g in grads.values():
+                dist.all_reduce(g)
+            runs[(mode, schedule)] = {"loss": float(total), "grads": grads, "stats": stats, "log": log}
+    return runs
+
+
+def _wrap_stages(layer_op, originals: dict, log: list) -> None:
+    """Log every stage layer_op runs as (stage, nano-batch) — the nano-batch from the calling thread in
+    forward, from the plan (the object each nano-batch's calls share) in backward."""
+    nano_of_prep: dict[int, str] = {}
+
+    def wrap(name):
+        original = getattr(layer_op, name)
+
+        def recorded(prep, *args, **kwargs):
+            thread = threading.current_thread().name
+            if thread.startswith("distca-nano-"):
+                nano_of_prep.setdefault(id(prep), "AB"[int(thread.rsplit("-", 1)[1])])
+            log.append((name, nano_of_prep[id(prep)]))
+            return original(prep, *args, **kwargs)
+
+        originals[name] = original
+        setattr(layer_op, name, recorded)
+
+    for name in (
+        "dispatch", "compute", "return_outputs", "gather_outputs",
+        "dispatch_backward", "compute_backward", "return_grads", "gather_grads",
+    ):  # fmt: skip
+        wrap(name)
+
+
+BACKWARD_STAGES = ("dispatch_backward", "compute_backward", "return_grads", "gather_grads")
+
+
+def _labelled(log: list) -> list[str]:
+    """``stage.<nano><layer>``: the layer counted per (stage, nano-batch) in call order (backward visits
+    the layers from the last)."""
+    counts: dict[tuple, int] = {}
+    out = []
+    for name, nano in log:
+        seen = counts.get((name, nano), 0)
+        counts[(name, nano)] = seen + 1
+        out.append(f"{name}.{nano}{LAYERS - 1 - seen if name in BACKWARD_STAGES else seen}")
+    return out
+
+
+def _oracle() -> dict:
+    """The whole batch packed in one process (local attention per document), fp32."""
+    model = with_mode(tiny_llama(seed=7), "none")
+    docs = docs_of(LENGTHS, seed=11)
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": d} for d in docs])
+    loss = model(**batch, use_cache=False, num_items_in_batch=sum(n - 1 for n in LENGTHS)).loss
+    loss.backward()
+    return {"loss": float(loss.detach()), "grads": grads_of(model)}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_layer_ping_pong_exact_and_interleaved(world):
+    results = run_distributed(_case, world, timeout=300)
+    oracle = _oracle()
+    fwd, bwd = _expected_stages(LAYERS)
+    rtol = TOL["train_loss"][0]
+    for rank, runs in enumerate(results):
+        for mode in MODES:
+            inter, serial = runs[(mode, "interleaved")], runs[(mode, "serial")]
+            label = f"rank {rank} {mode}"
+            for run in (inter, serial):
+                assert abs(run["loss"] - oracle["loss"]) <= rtol * abs(oracle["loss"]), (label, run["loss"])
+                assert_grads_close(run["grads"], oracle["grads"], label)
+            assert_grads_close(inter["grads"], serial["grads"], label + " vs serial")
+            assert inter["stats"].bytes_sent == serial["stats"].bytes_sent > 0, label
+            assert inter["stats"].attn_fwd_kernels == serial["stats"].attn_fwd_kernels, label
+            if mode == "remat":
+                assert inter["stats"].attn_replays == 2 * LAYERS, label  # both nano-batches, every layer
+            if mode != "recompute":  # plain recompute re-runs attention through the usual operator
+                stages = _labelled(inter["log"])
+                half = len(fwd)
+                assert stages[:half] == fwd, (label, stages[:half])
+                assert stages[half:] == bwd, (label, stages[half:])
+
+
+# ------------------------------------------------------------------------------------ CUDA (one process)
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_layer_ping_pong_on_cuda_keeps_thread_state():
+    """On one GPU, no process group: each nano-batch's thread runs under the caller's autocast, CUDA device
+    and stream (checked inside the model), and the interleaved loss and gradients equal the nano-batches
+    run one after the other (bf16 under autocast, fp32 weights; the same kernels in the same order)."""
+    docs = docs_of(LENGTHS, seed=11)
+    batch = DistCABatches(
+        docs, rank=0, world_size=1, tokens_per_rank=sum(LENGTHS), nano_batches=2
+    ).micro_batch(docs)
+    batch = {
+        NANO_BATCHES: tuple(
+            {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in nano.items()}
+            for nano in batch[NANO_BATCHES]
+        )
+    }
+    n_targets = sum(n - 1 for n in LENGTHS)
+    stream = torch.cuda.Stream()
+    runs = {}
+    for schedule in ("interleaved", "serial"):
+        model = tiny_llama(seed=7).cuda()
+        enable_distca(model, config=DistCAConfig(shard_tokens=8, backend="auto"))
+        seen = []
+        model.model.layers[0].register_forward_pre_hook(
+            lambda *_, seen=seen: seen.append(
+                (
+                    threading.current_thread().name,
+                    torch.is_autocast_enabled("cuda"),
+                    torch.cuda.current_stream(),
+                )
+            )
+        )
+        with torch.cuda.stream(stream), torch.autocast("cuda", dtype=torch.bfloat16):
+            if schedule == "interleaved":
+                loss = nano_batch_loss(model, batch, num_items_in_batch=n_targets)
+            else:
+                loss = sum(model(**nano, num_items_in_batch=n_targets).loss for nano in batch[NANO_BATCHES])
+            loss.backward()
+        torch.cuda.synchronize()
+        runs[schedule] = (float(loss), grads_of(model), seen)
+    loss, grads, seen = runs["interleaved"]
+    assert [name for name, _, _ in seen] == ["distca-nano-0", "distca-nano-1"]
+    assert all(autocast and s == stream for _, autocast, s in seen), seen
+    assert abs(loss - runs["serial"][0]) <= TOL["gpu_out"][0] * abs(runs["serial"][0])
+    for name, want in runs["serial"][1].items():
+        scale = float(want.abs().max())
+        torch.testing.assert_close(
+            grads[name], want, rtol=TOL["gpu_grad"][0], atol=TOL["gpu_grad"][1] * scale
+        )
