@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
+from accelerate.utils import send_to_device
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import hf_distca
@@ -41,13 +42,14 @@ def train_step(accelerator: Accelerator, model, optimizer, step_batches: list[di
     total = accelerator.reduce(torch.tensor(local, device=accelerator.device), reduction="sum").item()
     step_loss = torch.zeros((), device=accelerator.device)
     for i, batch in enumerate(step_batches):
-        batch = {k: v.to(accelerator.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        batch = send_to_device(batch, accelerator.device)
         last = i == len(step_batches) - 1
         with contextlib.nullcontext() if last else accelerator.no_sync(model):
-            out = model(**batch, num_items_in_batch=total)
+            # with DistCAConfig.layer_ping_pong the batch holds two nano-batches: their forwards interleave
+            loss = hf_distca.nano_batch_loss(model, batch, num_items_in_batch=total)
             # DDP averages gradients over ranks; scale so the sum over ranks is the global mean
-            accelerator.backward(out.loss * world)
-        step_loss += out.loss.detach().float()
+            accelerator.backward(loss * world)
+        step_loss += loss.detach().float()
     optimizer.step()
     optimizer.zero_grad()
     return accelerator.reduce(step_loss, reduction="sum").item()
@@ -100,6 +102,7 @@ def main(argv=None) -> list[float]:
         grad_accum=args.grad_accum,
         seed=args.seed,
         max_steps=args.max_steps,
+        nano_batches=2 if config_from_args(args).layer_ping_pong else 1,
     )
     torch.manual_seed(args.seed)
     config = LlamaConfig(

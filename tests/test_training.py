@@ -108,21 +108,26 @@ def test_plain_accelerate_loop_gradient_accumulation_exact(tmp_path):
     lengths = tmp_path / "lengths.json"
     lengths.write_text("[512, 1024]")
     losses = {}
-    for world, grad_accum, tokens_per_rank in ((1, 1, 2048), (2, 2, 512)):
-        out = tmp_path / f"losses{world}.json"
+    runs = {1: (1, 1, 2048, []), 2: (2, 2, 512, []), "layers": (2, 2, 512, ["--layer-ping-pong"])}
+    for name, (world, grad_accum, tokens_per_rank, extra) in runs.items():
+        out = tmp_path / f"losses{name}.json"
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
             os.path.join(ROOT, "recipes", "accelerate_loop.py"), "--tokens-per-rank", str(tokens_per_rank),
             "--grad-accum", str(grad_accum), "--max-steps", "3", "--doc-lengths", str(lengths),
-            "--num-documents", "60", "--shard-tokens", "64", "--losses-file", str(out),
+            "--num-documents", "60", "--shard-tokens", "64", "--losses-file", str(out), *extra,
         ]  # fmt: skip
         env = dict(os.environ, OMP_NUM_THREADS="1")
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-6000:]
-        losses[world] = json.loads(out.read_text())
+        losses[name] = json.loads(out.read_text())
     assert len(losses[1]) == 3
-    for got, want in zip(losses[2], losses[1], strict=True):
-        assert abs(got - want) <= LOSS_RTOL * abs(want), (losses[2], losses[1])
+    for name in (
+        2,
+        "layers",
+    ):  # also with layer-level ping-pong (micro-batches of two 512-token documents split)
+        for got, want in zip(losses[name], losses[1], strict=True):
+            assert abs(got - want) <= LOSS_RTOL * abs(want), (name, losses[name], losses[1])
     assert losses[1][-1] < losses[1][0]
 
 
