@@ -12,7 +12,10 @@ Stages, each callable on its own (an overlap schedule can interleave them):
 
 :func:`core_attention` chains them in one autograd operator (:mod:`.op`, which also says what is kept
 where and the bytes per layer); with ``DistCAConfig.ping_pong`` it runs them on nano-batches
-(:mod:`.nano`) whose exchanges overlap the other nano-batches' kernels. :func:`local_attention` is the same operator
+(:mod:`.nano`) whose exchanges overlap the other nano-batches' kernels. Under an interleaved forward of
+several nano-batches of the data path (:mod:`.interleave`, ``DistCAConfig.layer_ping_pong``) each call is
+cut at its exchanges into three chained autograd nodes instead (:mod:`.layer_op`), so that its exchanges
+fly while the other nano-batch runs its layers, forward and backward. :func:`local_attention` is the same operator
 on one process's own sequences. Both take part in rematerialization-aware checkpointing (:mod:`hf_distca.checkpointing`).
 """
 

@@ -10,6 +10,10 @@ documents) both run through :class:`_AttentionOp`; they differ only in the runne
   the micro-batch as one part, the stages one after the other.
 - :class:`LocalRunner`: the kernel's forward and backward on this process's own rows.
 
+Inside an interleaved forward (layer-level ping-pong, :mod:`.interleave`) :func:`core_attention` runs the
+same stages as three chained autograd nodes instead (:mod:`.layer_op`), switching to the other nano-batch
+after each exchange starts.
+
 Every stage a runner runs is a profiler range named ``distca.<fwd|bwd>.<stage>[.<nano-batch>]`` (stages:
 dispatch, wait_dispatch, compute, return, wait_return; no nano-batch number with one part), so a
 ``torch.profiler`` trace shows the schedule (benchmarks/bench_ping_pong.py summarises it per layer).
