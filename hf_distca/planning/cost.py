@@ -143,20 +143,25 @@ class MeasuredCost:
                 data = json.load(f)
         except (OSError, json.JSONDecodeError) as err:
             raise ValueError(f"cannot read the cost table {os.fspath(path)!r}: {err}") from err
+        return cls.from_dict(data, os.fspath(path))
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str) -> MeasuredCost:
+        """The table of a parsed cost-table JSON object (``source`` names it in errors)."""
         if not isinstance(data, dict) or data.get("format") != COST_TABLE_FORMAT:
             raise ValueError(
-                f"{os.fspath(path)!r} is not a cost table (expected a JSON object with "
-                f"format={COST_TABLE_FORMAT!r}); write one with python -m hf_distca.calibrate --out {os.fspath(path)}"
+                f"{source!r} is not a cost table (expected a JSON object with "
+                f"format={COST_TABLE_FORMAT!r}); write one with python -m hf_distca.calibrate --out {source}"
             )
         missing = [k for k in ("q_lens", "kv_lens", "seconds") if k not in data]
         if missing:
-            raise ValueError(f"cost table {os.fspath(path)!r} lacks {missing}")
+            raise ValueError(f"cost table {source!r} lacks {missing}")
         seconds = [[math.nan if x is None else float(x) for x in row] for row in data["seconds"]]
         measured = data.get("measured") or {}
         try:
             return cls(data["q_lens"], data["kv_lens"], seconds, measured.get("timed", TIMED[0]))
         except ValueError as err:
-            raise ValueError(f"cost table {os.fspath(path)!r}: {err}") from err
+            raise ValueError(f"cost table {source!r}: {err}") from err
 
     def digest(self) -> str:
         """sha256 of the grid and the measured times: equal tables give equal plans on every rank."""
