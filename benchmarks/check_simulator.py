@@ -136,8 +136,9 @@ def rebuild_layouts(
 
 
 def plan_as_engine(all_pieces, model: sim.ModelShape, backend: str):
-    """The plan DistCA's engine makes for these pieces under bench_remat's config (engine.prepare._planned)."""
-    config = DistCAConfig(backend=backend)
+    """The plan DistCA's engine made for these pieces under bench_remat's config (engine.prepare._planned)
+    in the measured runs, which planned causal pairs (they predate ``cost_table="auto"``)."""
+    config = DistCAConfig(backend=backend, cost_table=None)
     return plan_core_attention(
         [list(p) for p in all_pieces],
         q_row_bytes=model.q_row_bytes,

@@ -25,8 +25,8 @@ _SCALARS = (bool, int, float, str)
 def add_config_arguments(parser: argparse.ArgumentParser, title: str = "DistCA engine") -> None:
     """Add one option per ``DistCAConfig`` field to ``parser`` (in an argument group named ``title``).
 
-    Booleans become ``--name/--no-name``; ``X | None`` fields take an ``X`` and default to None.
-    Values are checked by ``DistCAConfig.__post_init__`` when :func:`config_from_args` builds it.
+    Booleans become ``--name/--no-name``; ``X | None`` fields take an ``X`` (or ``none`` for None when their
+    default is not None) and default to the field's default. Values are checked by ``DistCAConfig.__post_init__`` when :func:`config_from_args` builds it.
     """
     group = parser.add_argument_group(title)
     hints = typing.get_type_hints(DistCAConfig)
@@ -44,12 +44,26 @@ def add_config_arguments(parser: argparse.ArgumentParser, title: str = "DistCA e
                 help=help_text,
             )
         else:
-            group.add_argument(flag, dest=field.name, type=kind, default=field.default, help=help_text)
+            convert = kind
+            if field.default is not None and type(None) in typing.get_args(hints[field.name]):
+                convert = _or_none(kind)
+                help_text = help_text.replace(" (default:", " ('none': None) (default:")
+            group.add_argument(flag, dest=field.name, type=convert, default=field.default, help=help_text)
 
 
 def config_from_args(args: argparse.Namespace) -> DistCAConfig:
     """The ``DistCAConfig`` of options added by :func:`add_config_arguments`."""
     return DistCAConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DistCAConfig)})
+
+
+def _or_none(kind: type):
+    """``kind`` of a command-line string, with ``none`` (any case) read as None."""
+
+    def convert(text: str):
+        return None if text.lower() == "none" else kind(text)
+
+    convert.__name__ = kind.__name__  # argparse names the type in its errors
+    return convert
 
 
 def _scalar_type(name: str, hint) -> type:

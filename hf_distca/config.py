@@ -12,6 +12,8 @@ KERNEL_BACKENDS = ("auto", "cudnn", "torch_varlen", "flash_attn", "reference")
 PING_PONG_SPLITS = ("local_first", "halves")
 # DistCAConfig fields that change how a plan is run or checked, never the plan itself.
 RUN_ONLY_FIELDS = ("backend", "check_consistency", "ping_pong", "ping_pong_split", "layer_ping_pong")
+# DistCAConfig.cost_table's value for "the measured table of this device, dtype, head shape and kernel".
+COST_TABLE_AUTO = "auto"
 
 
 @dataclass(frozen=True)
@@ -20,7 +22,7 @@ class DistCAConfig:
 
     tolerance: float = 0.1
     """Balance target: planning stops once every server's attention cost (causal (query, key) pairs, or
-    measured seconds with ``cost_table``) is within (1 + tolerance) x the mean over servers."""
+    measured seconds with a ``cost_table``) is within (1 + tolerance) x the mean over servers."""
 
     shard_tokens: int = 128
     """Granularity of task splitting: a split point inside a document sits on a multiple of this
@@ -38,11 +40,17 @@ class DistCAConfig:
     max_planner_moves: int = 100_000
     """Safety bound on greedy moves per plan (planning stops early, never loops forever)."""
 
-    cost_table: str | None = None
-    """Path of a measured CA-task time table (JSON, written by ``python -m hf_distca.calibrate --out
-    PATH`` on the training GPUs with the model's head shape and dtype): the planner then balances
-    measured time, which prices short shards' lower kernel efficiency, instead of causal (query, key)
-    pairs. Every rank must read the same table. None: causal pairs."""
+    cost_table: str | None = COST_TABLE_AUTO
+    """What the planner balances. ``"auto"`` (the default): on CUDA tensors, measured kernel time: the
+    table shipped in :mod:`hf_distca.cost_tables` for this GPU model, dtype, head shape and resolved kernel
+    backend when there is one (1 x H200, bf16, 32/8 heads x 128, cudnn and torch_varlen), else one measured
+    at the first engine call on the training GPUs (a reduced grid, a few seconds: see
+    :mod:`hf_distca.engine.cost_probe`; every rank plans with the ranks' mean); causal (query, key) pairs
+    on the CPU, on one process without a shipped table, and with the reference kernel. A path: the measured
+    CA-task time table in that JSON file (written by ``python -m hf_distca.calibrate --out PATH`` on the
+    training GPUs with the model's head shape and dtype; every rank must read the same table; a file named
+    auto is ``"./auto"``). None: causal pairs everywhere. Measured time prices short shards' lower kernel
+    efficiency, which pairs cannot see."""
 
     link_gib_per_s: float | None = None
     """All-to-all bandwidth of one rank in GiB/s (sending and receiving at once) between nodes, or between
@@ -67,7 +75,8 @@ class DistCAConfig:
 
     attention_tflops: float = 300.0
     """Forward+backward core-attention throughput in TFLOP/s that turns causal (query, key) pairs into
-    seconds when communication is priced without ``cost_table``: 300 is FlashAttention-2 varlen on an
+    seconds when communication is priced without a measured table (``cost_table`` None, or ``"auto"``
+    where it resolves to causal pairs): 300 is FlashAttention-2 varlen on an
     H200 (259-332 measured for documents of 2K-64K tokens), i.e. 5.2e9 pairs per second at 32 query
     heads x 128 (14 x 32 x 128 FLOPs per pair forward+backward)."""
 
@@ -129,10 +138,11 @@ class DistCAConfig:
             )
         if self.backend not in KERNEL_BACKENDS:
             raise ValueError(f"DistCAConfig.backend must be one of {KERNEL_BACKENDS}, got {self.backend!r}")
-        if self.cost_table is not None:
+        if self.cost_table is not None and self.cost_table != COST_TABLE_AUTO:
             if not isinstance(self.cost_table, str) or not self.cost_table:
                 raise ValueError(
-                    f"DistCAConfig.cost_table must be a path (str) or None, got {self.cost_table!r}"
+                    f"DistCAConfig.cost_table must be a path (str), {COST_TABLE_AUTO!r} or None, "
+                    f"got {self.cost_table!r}"
                 )
             if not os.path.isfile(self.cost_table):
                 raise ValueError(

@@ -35,10 +35,12 @@ from hf_distca.engine.consistency import (
     digest64,
     raise_on_disagreement,
 )
+from hf_distca.engine.cost_probe import auto_cost_table
 from hf_distca.engine.link_probe import with_measured_link
 from hf_distca.planning import (
     CorePlan,
     DispatchIndex,
+    MeasuredCost,
     attention_flops_per_pair,
     build_dispatch_index,
     cost_model_from_config,
@@ -187,7 +189,8 @@ def prepare(
         everyone, digest = seen.all_pieces, seen.digest
     if world > 1:  # every rank reaches this point together: the link probe's collectives run here
         config = with_measured_link(config, group, q.device)
-    prepared = _planned(everyone, digest, rank, q, k, config, window)
+    auto_table = auto_cost_table(config, group, q, k)  # cost_table="auto": collective at its first call
+    prepared = _planned(everyone, digest, rank, q, k, config, window, auto_table)
     if prepared.num_local != q.shape[0]:
         raise ValueError(
             f"rank {rank}: q holds {q.shape[0]} rows but this micro-batch's pieces give it {prepared.num_local}; "
@@ -219,11 +222,13 @@ def _planned(
     k: torch.Tensor,
     config: DistCAConfig,
     window: int | None = None,
+    auto_table: MeasuredCost | None = None,
 ) -> PreparedAttention:
     q_heads, head_dim, kv_heads = q.shape[1], q.shape[2], k.shape[1]
     elem = q.element_size()
-    cost_model = cost_model_from_config(config, window)
-    # the cost model's repr carries its table's hash: a table rewritten in place plans anew
+    cost_model = cost_model_from_config(config, window, auto_table)
+    # the cost model's repr carries its table's hash: a table rewritten in place, or the one "auto" resolved
+    # to, is part of the key
     key = (
         digest, rank, len(all_pieces), q_heads, kv_heads, head_dim, elem,
         config.plan_fields(), repr(cost_model), window,

@@ -3,9 +3,10 @@
 
 A cost model is any object with ``task_cost(a, b) -> float``; the planner only compares and adds
 costs, so their unit is free. :func:`cost_model_from_config` picks the one a :class:`DistCAConfig`
-asks for: :class:`CausalPairsCost` by default, :class:`MeasuredCost` from the table of
-``DistCAConfig.cost_table`` (written by ``python -m hf_distca.calibrate``); both take the layer's
-sliding window (``window``, None: full causal).
+asks for: :class:`CausalPairsCost` (``cost_table=None``, and ``"auto"`` on the CPU), :class:`MeasuredCost`
+from the table of ``DistCAConfig.cost_table`` (written by ``python -m hf_distca.calibrate``) or, with
+``"auto"`` on CUDA, the one the engine resolved (:mod:`hf_distca.cost_tables`,
+:mod:`hf_distca.engine.cost_probe`); both take the layer's sliding window (``window``, None: full causal).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from hf_distca.config import COST_TABLE_AUTO
 from hf_distca.planning.window import as_window, attended_pairs, kv_start
 
 COST_TABLE_FORMAT = "hf_distca.cost_table/1"
@@ -143,20 +145,25 @@ class MeasuredCost:
                 data = json.load(f)
         except (OSError, json.JSONDecodeError) as err:
             raise ValueError(f"cannot read the cost table {os.fspath(path)!r}: {err}") from err
+        return cls.from_dict(data, os.fspath(path))
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str) -> MeasuredCost:
+        """The table of a parsed cost-table JSON object (``source`` names it in errors)."""
         if not isinstance(data, dict) or data.get("format") != COST_TABLE_FORMAT:
             raise ValueError(
-                f"{os.fspath(path)!r} is not a cost table (expected a JSON object with "
-                f"format={COST_TABLE_FORMAT!r}); write one with python -m hf_distca.calibrate --out {os.fspath(path)}"
+                f"{source!r} is not a cost table (expected a JSON object with "
+                f"format={COST_TABLE_FORMAT!r}); write one with python -m hf_distca.calibrate --out {source}"
             )
         missing = [k for k in ("q_lens", "kv_lens", "seconds") if k not in data]
         if missing:
-            raise ValueError(f"cost table {os.fspath(path)!r} lacks {missing}")
+            raise ValueError(f"cost table {source!r} lacks {missing}")
         seconds = [[math.nan if x is None else float(x) for x in row] for row in data["seconds"]]
         measured = data.get("measured") or {}
         try:
             return cls(data["q_lens"], data["kv_lens"], seconds, measured.get("timed", TIMED[0]))
         except ValueError as err:
-            raise ValueError(f"cost table {os.fspath(path)!r}: {err}") from err
+            raise ValueError(f"cost table {source!r}: {err}") from err
 
     def digest(self) -> str:
         """sha256 of the grid and the measured times: equal tables give equal plans on every rank."""
@@ -224,13 +231,19 @@ def write_cost_table(
         f.write("\n")
 
 
-def cost_model_from_config(config: Any, window: int | None = None) -> CausalPairsCost | MeasuredCost:
+def cost_model_from_config(
+    config: Any, window: int | None = None, auto_table: MeasuredCost | None = None
+) -> CausalPairsCost | MeasuredCost:
     """The cost model a :class:`~hf_distca.config.DistCAConfig` asks for, for a layer with this sliding
     ``window`` (None: full causal).
 
     ``config.cost_table`` None: :class:`CausalPairsCost`; a path: :class:`MeasuredCost` of that table,
-    loaded once per file version (path, modification time, size) and shared by later calls."""
+    loaded once per file version (path, modification time, size) and shared by later calls; ``"auto"``:
+    ``auto_table``, the table the engine resolved for the device, dtype, head shape and kernel
+    (:mod:`hf_distca.engine.cost_probe`), or causal pairs when it is None (CPU tensors, no engine)."""
     path = getattr(config, "cost_table", None)
+    if path == COST_TABLE_AUTO:
+        return (_PAIRS if auto_table is None else auto_table).with_window(window)
     if path is None:
         return _PAIRS.with_window(window)
     stat = os.stat(path)
