@@ -6,8 +6,8 @@ tests/oracle.py: outputs, dq, dk, dv per rank, and the sinks' gradient summed ov
 its server's share; data parallelism sums them). Models: tiny Gemma 2 and gpt-oss built from their configs
 (tests/test_attention_hf.py's ``tiny_model``) under ``attn_implementation="distca"`` against Transformers'
 own eager attention run document by document: logits and every parameter's gradient (the sinks' included),
-in one process (packed batch; with rematerialization-aware checkpointing) and cut over 2 ranks with a
-DistCA layout.
+in one process (packed batch; with rematerialization-aware checkpointing, float64) and cut over 2 ranks
+with a DistCA layout; generation with a KV cache token for token; the refusal inside torch.compile.
 """
 
 from __future__ import annotations
