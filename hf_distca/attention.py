@@ -288,6 +288,18 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(b * s, h, d)  # (B, H, S, D) -> (B * S, H, D)
 
 
+def _score_options(kwargs: dict) -> dict[str, Any]:
+    """What the layer asks of its scores, as the engine's keyword arguments: its sliding window (Transformers
+    passes it to sliding layers), logit softcapping (Gemma 2: ``softcap``) and attention sinks (gpt-oss:
+    ``s_aux``, the module's ``sinks`` parameter)."""
+    sinks = kwargs.get("s_aux")
+    return {
+        "window": kwargs.get("sliding_window"),
+        "softcap": kwargs.get("softcap"),
+        "sinks": kwargs.get("sinks") if sinks is None else sinks,
+    }
+
+
 def _run_local(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -295,15 +307,16 @@ def _run_local(
     local: _LocalBatch,
     scale: float | None,
     config: DistCAConfig,
-    window: int | None = None,
+    kwargs: dict,
 ) -> torch.Tensor:
     """Causal attention of local documents, no communication. q: (T, Hq, D); k, v: (T, Hkv, D)."""
     if q.shape[0] == 0:
         return q * 0  # (0, Hq, D), nothing to attend (every row fully padded)
     cu = local.cu(torch.device("cpu"))  # offsets on the host: the kernels read them there
     return local_attention(
-        q, k, v, cu, cu, local.max_len, local.max_len, scale=scale, backend=config.backend, window=window
-    )
+        q, k, v, cu, cu, local.max_len, local.max_len, scale=scale, backend=config.backend,
+        **_score_options(kwargs),
+    )  # fmt: skip
 
 
 def _run_distributed(
@@ -340,7 +353,7 @@ def _run_distributed(
         config=runtime.config,
         scale=scaling,
         all_pieces=layout.all_pieces,  # the same object for every layer: ranks are checked once per layout
-        window=kwargs.get("sliding_window"),  # this layer's (Transformers passes it to sliding layers)
+        **_score_options(kwargs),  # this layer's window, softcap, sinks
     )  # (S, Hq, D)
     interleave.attention_done(module)  # a nano-batch resumes the rest of its layer
     return out.view(batch, seq, *out.shape[1:])  # (1, S, Hq, D)
@@ -433,7 +446,7 @@ def _run_with_past(
             max(past.kv_lengths),
             scale=scaling,
             backend=config.backend,
-            window=kwargs.get("sliding_window"),
+            **_score_options(kwargs),
         )  # (T_q, Hq, D)
     if past.q_index is not None:
         out = scatter_rows(out, Unpadded(past.q_index, past.q_lengths, batch * seq))  # (B * S_q, Hq, D)
@@ -473,7 +486,7 @@ def _run_compiled(
             "torch.compile or the padding"
         )
     runtime = getattr(module, RUNTIME_ATTR, None)
-    window = kwargs.get("sliding_window")
+    window = kwargs.get("sliding_window")  # softcap and sinks are refused here (hf_distca.features)
     q, k, v = _flat(query), _flat(key), _flat(value)  # (B * S, H, D)
     layout = kwargs.get("distca_layout")
     if layout is not None:
@@ -560,7 +573,7 @@ def distca_attention_forward(
     if local.unpadded is not None:
         idx = local.unpadded.indices
         q, k, v = q.index_select(0, idx), k.index_select(0, idx), v.index_select(0, idx)  # (T, H, D)
-    out = _run_local(q, k, v, local, scaling, config, kwargs.get("sliding_window"))  # (T, Hq, D)
+    out = _run_local(q, k, v, local, scaling, config, kwargs)  # (T, Hq, D)
     if local.unpadded is not None:
         out = scatter_rows(out, local.unpadded)  # (B * S, Hq, D), zeros at padding
     return out.view(batch, seq, num_heads, head_dim), None  # (B, S, Hq, D)

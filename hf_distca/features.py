@@ -1,15 +1,21 @@
 """What ``attn_implementation="distca"`` refuses: the one place that decides it.
 
 The distca kernels compute causal softmax attention, document by document, optionally inside a sliding
-window (each layer's ``sliding_window``: Mistral, Qwen2/Qwen3 with ``use_sliding_window``, Gemma 3's local
-layers). A model feature that changes that math would be silently ignored, so it is refused with
-:class:`UnsupportedFeatureError` instead: bidirectional or cross-attention, attention logit softcapping
-(Gemma 2: ``attn_logit_softcapping``), attention sinks (gpt-oss: ``s_aux``), attention dropout in
+window (each layer's ``sliding_window``: Mistral, Qwen2/Qwen3 with ``use_sliding_window``, Gemma 2/3's
+local layers, gpt-oss), with attention logit softcapping (Gemma 2: ``attn_logit_softcapping``, passed as
+``softcap``) and attention sinks (gpt-oss: its ``sinks`` parameter, passed as ``s_aux``), all exact. A model
+feature that changes that math would be silently ignored, so it is refused with
+:class:`UnsupportedFeatureError` instead: bidirectional or cross-attention, attention dropout in
 training. Two entry points share the checks and their messages:
 
 - :func:`check_model_config`: before training (the callback's pre-flight), from the model config;
 - :func:`check_attention_call`: on every call of the attention function, from the module and the
   keyword arguments Transformers passes.
+
+Refused elsewhere, where the fact lives: softcapping on a kernel backend that cannot compute it (cudnn,
+torch_varlen: :mod:`hf_distca.kernels` names 'flash_attn' and 'reference', which can). Sinks need no
+backend support (they are applied to any backend's output and log-sum-exp). Softcapping and sinks are
+computed eagerly only: inside ``torch.compile`` they are refused here.
 
 ``output_attentions=True`` changes no math but asks for weights distca never builds: it warns (as
 Transformers' ``sdpa`` does) and the model's ``attentions`` output holds none.
@@ -31,22 +37,17 @@ __all__ = [
     "layer_windows",
 ]
 
-_SOFTCAP_KEYS = ("attn_logit_softcapping", "attn_softcap")
-
 
 def check_model_config(config: Any, *, model_name: str) -> None:
     """Pre-flight: refuse a model whose attention distca cannot compute exactly (sliding windows of any
-    length are computed exactly)."""
+    length, softcapping and sinks are computed exactly; which kernel backend computes softcapping is
+    decided when the kernel runs)."""
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedFeatureError(
             f"{model_name} is an encoder-decoder model: cross-attention is not supported by "
             "attn_implementation='distca'; use a decoder-only model"
         )
     _check_causal(getattr(config, "is_causal", True), f"{model_name}'s config")
-    for key in _SOFTCAP_KEYS:
-        _check_softcap(getattr(config, key, None), f"{model_name} ({key})")
-    if getattr(config, "model_type", None) == "gpt_oss":
-        _refuse_sinks(model_name)
     _check_dropout(getattr(config, "attention_dropout", 0.0) or 0.0, model_name)
 
 
@@ -56,7 +57,8 @@ def check_attention_call(
     """Per call of the attention function: shapes, and every feature the call asks for.
 
     query: (B, Hq, S_q, D); key: (B, Hkv, S_k, D) with S_q <= S_k (keys beyond the queries are past keys
-    from a KV cache). ``sliding_window`` must be None or a positive int.
+    from a KV cache). ``sliding_window`` must be None or a positive int, ``softcap`` None or a positive
+    number, the sinks (``s_aux``) None or one logit per query head.
     """
     if query.dim() != 4 or key.dim() != 4:
         raise ValueError(
@@ -84,9 +86,30 @@ def check_attention_call(
                 "attn_implementation='distca'; use a decoder-only model"
             )
         _check_causal(getattr(config, "is_causal", True), f"{name}'s config")
-    _check_softcap(kwargs.get("softcap"), name)
-    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
-        _refuse_sinks(name)
+    softcap = kwargs.get("softcap")
+    if softcap is not None and (
+        isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap < 0
+    ):
+        raise ValueError(f"{name}: softcap must be a positive number or None, got {softcap!r}")
+    for key in ("s_aux", "sinks"):
+        sinks = kwargs.get(key)
+        if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.shape != (query.shape[1],)):
+            shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+            raise ValueError(
+                f"{name}: attention sinks ({key}) must be a tensor of one logit per query head, shaped "
+                f"({query.shape[1]},), got {shape}"
+            )
+    sinks = kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")
+    if (softcap or sinks is not None) and torch.compiler.is_compiling():
+        feature = (
+            "attention sinks (gpt-oss)"
+            if sinks is not None
+            else f"logit softcapping (softcap={softcap}, Gemma 2)"
+        )
+        raise UnsupportedFeatureError(
+            f"{name}: attn_implementation='distca' computes {feature} eagerly only, not inside torch.compile "
+            "(its compiled custom ops do not take them yet); train this model without torch.compile"
+        )
     window = kwargs.get("sliding_window")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"{name}: sliding_window must be a positive int or None, got {window!r}")
@@ -100,14 +123,6 @@ def check_attention_call(
             UserWarning,
             stacklevel=3,
         )
-
-
-def _refuse_sinks(what: str) -> None:
-    raise UnsupportedFeatureError(
-        f"{what} uses attention sinks (s_aux: a learned per-head logit in every softmax, gpt-oss), which "
-        "no distca kernel computes (reference, torch_varlen, cudnn, flash_attn): they would be silently "
-        "dropped. Use attn_implementation='eager' (or a kernels-hub flash attention with sinks) for this model"
-    )
 
 
 def layer_windows(config: Any) -> list[int | None]:
@@ -129,16 +144,6 @@ def _check_causal(is_causal: Any, what: str) -> None:
         raise UnsupportedFeatureError(
             f"{what} is non-causal (is_causal=False); attn_implementation='distca' only computes causal "
             "attention. Use attn_implementation='sdpa' for bidirectional/encoder attention"
-        )
-
-
-def _check_softcap(softcap: float | None, what: str) -> None:
-    if softcap:
-        raise UnsupportedFeatureError(
-            f"{what} uses attention logit softcapping (softcap={softcap}: scores squashed by softcap x "
-            "tanh(score / softcap), Gemma 2), which no distca kernel computes (reference, torch_varlen, cudnn, "
-            "flash_attn); use attn_implementation='eager' (or 'flash_attention_2', which computes it) for "
-            "this model. Gemma 3 has none (attn_logit_softcapping=None) and trains with distca"
         )
 
 

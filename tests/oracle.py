@@ -40,10 +40,17 @@ def visible(lq: int, lk: int, window: int | None = None) -> torch.Tensor:
 
 
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, window: int | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ):
     """One document: q (L, Hq, D), k/v (L, Hkv, D) -> (L, Hq, D); query i sees keys 0..i (with a sliding
-    ``window``: keys j with i - j < window).
+    ``window``: keys j with i - j < window). ``softcap``: scores -> softcap * tanh(scores / softcap) (Gemma
+    2); ``sinks`` (Hq,): one more softmax column per head whose probability is dropped (gpt-oss).
 
     GQA: query head h uses key/value head h // (Hq // Hkv) (the repeat_interleave convention of
     Transformers' repeat_kv)."""
@@ -53,25 +60,35 @@ def causal_attention(
     k = k.repeat_interleave(groups, dim=1)
     v = v.repeat_interleave(groups, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # (Hq, L, L)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     mask = torch.ones(length, length, dtype=torch.bool).tril()  # mask[i, j]: query i may see key j
     if window is not None:
         mask &= ~torch.ones(length, length, dtype=torch.bool).tril(-window)  # and i - j < window
     scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    if sinks is not None:
+        sink = sinks.to(scores.dtype).view(hq, 1, 1).expand(hq, length, 1)  # (Hq, L, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]  # (Hq, L, L)
+    else:
+        probs = torch.softmax(scores, dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
 def oracle_attention(
-    q_all, k_all, v_all, doc_lens: Sequence[int], scale: float | None = None, window: int | None = None
+    q_all,
+    k_all,
+    v_all,
+    doc_lens: Sequence[int],
+    scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ):
     """Documents concatenated along dim 0 (in the order of ``doc_lens``) -> their outputs, concatenated."""
     outs, start = [], 0
     for n in doc_lens:
-        outs.append(
-            causal_attention(
-                q_all[start : start + n], k_all[start : start + n], v_all[start : start + n], scale, window
-            )
-        )
+        rows = slice(start, start + n)
+        outs.append(causal_attention(q_all[rows], k_all[rows], v_all[rows], scale, window, softcap, sinks))
         start += n
     if not outs:
         return q_all[:0] * 0
@@ -79,11 +96,15 @@ def oracle_attention(
 
 
 def oracle_with_grads(
-    q_all, k_all, v_all, weights, doc_lens, scale=None, compute_dtype=torch.float64, window=None
-):
-    """Outputs and gradients of loss = sum(out * weights), all computed in ``compute_dtype``."""
+    q_all, k_all, v_all, weights, doc_lens, scale=None, compute_dtype=torch.float64, window=None,
+    softcap=None, sinks=None,
+):  # fmt: skip
+    """Outputs and gradients of loss = sum(out * weights), all computed in ``compute_dtype``: (out, dq, dk,
+    dv), and the sinks' gradient last when ``sinks`` are given."""
     leaves = [t.detach().to(compute_dtype).requires_grad_(True) for t in (q_all, k_all, v_all)]
-    out = oracle_attention(*leaves, doc_lens, scale, window)
+    if sinks is not None:
+        leaves.append(sinks.detach().to(compute_dtype).requires_grad_(True))
+    out = oracle_attention(*leaves[:3], doc_lens, scale, window, softcap, *leaves[3:])
     (out * weights.to(compute_dtype)).sum().backward()
     return out.detach(), *(t.grad for t in leaves)
 

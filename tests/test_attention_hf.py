@@ -23,7 +23,9 @@ from tolerances import TOL
 from transformers import (
     AutoModelForCausalLM,
     DataCollatorWithFlattening,
+    Gemma2Config,
     Gemma3TextConfig,
+    GptOssConfig,
     LlamaConfig,
     MistralConfig,
     Qwen2Config,
@@ -50,6 +52,10 @@ CONFIGS = {
     "mistral": MistralConfig,
     "gemma3": Gemma3TextConfig,  # Gemma3ForCausalLM: 5 sliding-window layers to 1 global by default
 }
+EAGER_ONLY_CONFIGS = {  # no SDPA in Transformers: their oracle is 'eager' (tests/test_softcap_sinks.py)
+    "gemma2": Gemma2Config,  # local (window) and global layers alternate, every one logit-softcapped
+    "gpt_oss": GptOssConfig,  # sliding and full layers alternate, every one with attention sinks; MoE MLP
+}
 DOC_SETS = {
     # length-1 documents, odd lengths, one long (~300) document
     "mixed": [1, 7, 300, 2, 33, 1, 64, 5],
@@ -75,8 +81,14 @@ def tiny_config(arch: str, **overrides):
         kwargs["sliding_window"] = None
     if arch == "gemma3":  # its scaling is query_pre_attn_scalar ** -0.5, not head_dim ** -0.5
         kwargs.update(num_hidden_layers=6, query_pre_attn_scalar=24, sliding_window=16)
+    if arch == "gemma2":  # a cap of 2 bends the tiny model's scores (Gemma 2's own: 50)
+        kwargs.update(query_pre_attn_scalar=24, sliding_window=16, attn_logit_softcapping=2.0)
+    if arch == "gpt_oss":  # 4 experts, 2 per token; max_position_embeddings = its YaRN factor x 4096
+        kwargs.update(
+            num_local_experts=4, num_experts_per_tok=2, sliding_window=16, max_position_embeddings=131072
+        )
     kwargs.update(overrides)
-    return CONFIGS[arch](**kwargs)
+    return {**CONFIGS, **EAGER_ONLY_CONFIGS}[arch](**kwargs)
 
 
 def tiny_model(arch: str, attn: str = "distca", seed: int = 0, **overrides):
@@ -111,9 +123,10 @@ def grads_of(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def per_document_reference(model, docs: list[list[int]]) -> tuple[torch.Tensor, dict]:
-    """Oracle: SDPA, one document per forward; logits concatenated (1, T, V); grads of the mean loss."""
-    model.set_attn_implementation("sdpa")
+def per_document_reference(model, docs: list[list[int]], attn: str = "sdpa") -> tuple[torch.Tensor, dict]:
+    """Oracle: SDPA (or ``attn``), one document per forward; logits concatenated (1, T, V); grads of the
+    mean loss."""
+    model.set_attn_implementation(attn)
     model.zero_grad(set_to_none=True)
     logits, loss = [], 0.0
     for d in docs:
@@ -430,8 +443,8 @@ def _module(training=False, is_causal=True):
 @pytest.mark.parametrize(
     ("module_kwargs", "call_kwargs", "error", "match"),
     [
-        ({}, {"softcap": 30.0}, UnsupportedFeatureError, "softcapping"),
-        ({}, {"s_aux": torch.zeros(4)}, UnsupportedFeatureError, "sinks"),
+        ({}, {"softcap": -1.0}, ValueError, "softcap must be a positive number"),
+        ({}, {"s_aux": torch.zeros(3)}, ValueError, r"sinks \(s_aux\) must be a tensor of one logit per query head, shaped \(4,\)"),
         ({"training": True}, {"dropout": 0.1}, UnsupportedFeatureError, "attention_dropout=0.0"),
         ({"is_causal": False}, {}, UnsupportedFeatureError, "only computes causal"),
         ({}, {"sliding_window": 0}, ValueError, "sliding_window must be a positive int"),

@@ -93,7 +93,8 @@ def _stages_case(rank: int, case: dict) -> dict:
     grads_k = eng.compute_backward(
         prep, q, k, v, staged, w, lse, pending.wait(), scale=None, backend=cfg.backend
     )
-    grads = eng.gather_grads(prep, eng.return_grads(prep, *grads_k, group, async_op=True), k.dtype)
+    dq_k, dk_k, dv_k, _ = grads_k  # no sinks: no sinks gradient
+    grads = eng.gather_grads(prep, eng.return_grads(prep, dq_k, dk_k, dv_k, group, async_op=True), k.dtype)
     return {"op": [out.detach(), *(t.grad for t in leaves)], "stages": [staged, *grads]}
 
 

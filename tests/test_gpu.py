@@ -3,7 +3,7 @@
 bf16, GQA 32/8 heads x 128: whole documents, CA-task suffix shards (cu_seqlens_q != cu_seqlens_k), the
 two mixed in one call, empty, 1-token and KV-only (0-query) sequences, lengths up to 8K. Forward output
 and log-sum-exp, and the explicit backward (dq, dk, dv), each against the float32 reference on the same
-bf16 values. Skipped without CUDA.
+bf16 values; sliding windows, attention sinks, logit softcapping (computed or refused). Skipped without CUDA.
 """
 
 from __future__ import annotations
@@ -14,11 +14,14 @@ from tolerances import TOL
 
 from hf_distca.engine import local_attention
 from hf_distca.kernels import (
+    UnsupportedFeatureError,
     attention_backward,
     attention_forward,
     available_backends,
     cudnn_frontend,
+    flash,
     reference_varlen_attention,
+    sinks_backward,
 )
 
 pytestmark = [
@@ -56,10 +59,11 @@ def _inputs(q_lens, k_lens, seed=0):
     return q, k, v, dout
 
 
-def _reference(q, k, v, dout, args, window=None):
-    """float32 math on the same bf16 values, gradients by autograd; nothing rounded to bf16."""
+def _reference(q, k, v, dout, args, window=None, **scores):
+    """float32 math on the same bf16 values, gradients by autograd; nothing rounded to bf16. ``scores``:
+    softcap / sinks (float32 leaves whose .grad autograd fills)."""
     qq, kk, vv = (t.detach().float().requires_grad_(True) for t in (q, k, v))
-    out, lse = reference_varlen_attention(qq, kk, vv, *args, return_lse=True, window=window)
+    out, lse = reference_varlen_attention(qq, kk, vv, *args, return_lse=True, window=window, **scores)
     out.backward(dout.float())
     return out.detach(), lse, qq.grad, kk.grad, vv.grad
 
@@ -137,6 +141,43 @@ def test_cuda_backend_sliding_window_matches_reference(variant, case, monkeypatc
     _assert_close_to_reference((out, lse, *grads), want, _kv_only_rows(q_lens, k_lens))
     causal = _reference(q, k, v, dout, args)
     assert (causal[0] - want[0]).abs().max() > 0.05  # the window cuts: the case tests something
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_cuda_backend_sinks_match_reference(variant, monkeypatch):
+    """Attention sinks (gpt-oss) on every backend: applied to its output and log-sum-exp; its unchanged
+    backward fed that lse gives dq, dk, dv; sinks_backward the sinks' gradient (float32 math, bf16 rows)."""
+    backend = _select(variant, monkeypatch)
+    q_lens, k_lens, window = WINDOW_SHAPES["tasks_1024"]
+    q, k, v, dout = _inputs(q_lens, k_lens, seed=3)
+    args = (_cu(q_lens), _cu(k_lens), max(q_lens), max(k_lens))
+    sinks = torch.linspace(-2.0, 10.0, HQ, device="cuda")  # p_sink from ~0 to ~1 (row lse ~ 7-8 here)
+    out, lse = attention_forward(q, k, v, *args, backend=backend, window=window, sinks=sinks)
+    grads = attention_backward(dout, q, k, v, out, lse, *args, backend=backend, window=window)
+    leaf = sinks.clone().requires_grad_(True)
+    want = _reference(q, k, v, dout, args, window, sinks=leaf)
+    _assert_close_to_reference((out, lse, *grads), want, _kv_only_rows(q_lens, k_lens))
+    rtol, scale_tol = TOL["gpu_grad"]
+    dsinks = sinks_backward(dout, out, lse, sinks)
+    torch.testing.assert_close(dsinks, leaf.grad, rtol=rtol, atol=scale_tol * float(leaf.grad.abs().max()))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_cuda_backend_softcap_computed_or_refused(variant, monkeypatch):
+    """Logit softcapping (Gemma 2): flash_attn (>= 2.6) computes it (checked against the reference); cudnn
+    and torch_varlen refuse it, naming flash_attn and reference."""
+    backend = _select(variant, monkeypatch)
+    q_lens, k_lens, window = WINDOW_SHAPES["tasks_1024"]
+    q, k, v, dout = _inputs(q_lens, k_lens, seed=4)
+    args = (_cu(q_lens), _cu(k_lens), max(q_lens), max(k_lens))
+    if backend != "flash_attn" or not flash.supports_softcap():
+        with pytest.raises(UnsupportedFeatureError, match="'flash_attn'.*'reference'"):
+            attention_forward(q, k, v, *args, backend=backend, window=window, softcap=5.0)
+        return
+    out, lse = attention_forward(q, k, v, *args, backend=backend, window=window, softcap=5.0)
+    grads = attention_backward(dout, q, k, v, out, lse, *args, backend=backend, window=window, softcap=5.0)
+    want = _reference(q, k, v, dout, args, window, softcap=5.0)
+    _assert_close_to_reference((out, lse, *grads), want, _kv_only_rows(q_lens, k_lens))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -8,6 +8,7 @@ with the autograd of the forward it belongs to).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -26,6 +27,7 @@ from hf_distca.kernels import (
     reference,
     reference_varlen_attention,
     resolve_backend,
+    sinks_backward,
 )
 from hf_distca.kernels.common import check_inputs
 
@@ -40,9 +42,14 @@ def naive_attention(
     k_lens: list[int],
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Oracle: per sequence, bottom-right causal mask[i, j] = j <= i + (lk - lq) (and, with a sliding
-    window, i + (lk - lq) - j < window: oracle.visible); float64; returns (out, lse)."""
+    window, i + (lk - lq) - j < window: oracle.visible); float64; returns (out, lse). ``softcap``: scores
+    -> softcap * tanh(scores / softcap) before the mask (Gemma 2's eager attention). ``sinks`` (Hq,): a
+    softmax over [scores, sink[h]] whose last column is dropped (gpt-oss's eager attention); lse then
+    covers the sink column too."""
     groups = q.shape[1] // k.shape[1]
     outs, lses = [q[:0].double()], [q[:0, :, 0].double()]
     q0 = k0 = 0
@@ -56,20 +63,30 @@ def naive_attention(
         if window is not None:
             mask = visible(lq, lk, window)
         scores = torch.einsum("ihd,jhd->hij", qs, ks) * scale  # (Hq, lq, lk)
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         scores = scores.masked_fill(~mask, float("-inf"))
-        outs.append(torch.einsum("hij,jhd->ihd", torch.softmax(scores, dim=-1), vs))  # (lq, Hq, D)
+        if sinks is not None:
+            sink = sinks.double().view(-1, 1, 1).expand(-1, lq, 1)  # (Hq, lq, 1)
+            scores = torch.cat([scores, sink], dim=-1)  # (Hq, lq, lk + 1)
+        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:
+            probs = probs[..., :-1]  # the sink column carries no value
+        outs.append(torch.einsum("hij,jhd->ihd", probs, vs))  # (lq, Hq, D)
         lses.append(torch.logsumexp(scores, dim=-1).transpose(0, 1))  # (lq, Hq)
         q0 += lq
         k0 += lk
     return torch.cat(outs), torch.cat(lses)
 
 
-def naive_grads(q, k, v, dout, q_lens, k_lens, scale, window=None):
-    """dq, dk, dv of sum(naive_attention(q, k, v) * dout), float64."""
-    qq, kk, vv = (t.detach().double().requires_grad_(True) for t in (q, k, v))
-    out, _ = naive_attention(qq, kk, vv, q_lens, k_lens, scale, window)
+def naive_grads(q, k, v, dout, q_lens, k_lens, scale, window=None, softcap=None, sinks=None):
+    """dq, dk, dv (and with ``sinks`` dsinks) of sum(naive_attention(q, k, v) * dout), float64."""
+    leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    if sinks is not None:
+        leaves.append(sinks.detach().double().requires_grad_(True))
+    out, _ = naive_attention(*leaves[:3], q_lens, k_lens, scale, window, softcap, *leaves[3:])
     (out * dout.double()).sum().backward()
-    return qq.grad, kk.grad, vv.grad
+    return tuple(t.grad for t in leaves)
 
 
 def _cu(lengths: list[int]) -> torch.Tensor:
@@ -182,6 +199,135 @@ def test_sliding_window_matches_naive_oracle(case, dtype, backend):
     local_attention(qq, kk, vv, *args, scale=SCALE, backend=backend, window=window).backward(dout)
     for name, got, ref in zip(("dq", "dk", "dv"), (qq.grad, kk.grad, vv.grad), want):
         torch.testing.assert_close(got.double(), ref, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+# (q_lens, k_lens, window) of the softcapping and sinks cases: whole documents and CA-task suffixes,
+# a 0-query sequence, with and without a sliding window (Gemma 2 and gpt-oss alternate both)
+SCORE_SHAPES = {
+    "tasks": (SHAPES["mixed"][0], SHAPES["mixed"][1], None),
+    "kv_only": (SHAPES["empty_and_kv_only"][0], SHAPES["empty_and_kv_only"][1], None),
+    "window": (*WINDOW_SHAPES["tasks"][:2], 8),
+}
+SOFTCAP = 1.5  # small enough that tanh bends most scores (scores of O(1) inputs reach ~5)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("case", sorted(SCORE_SHAPES))
+def test_softcap_matches_naive_oracle(case, dtype, backend):
+    """Gemma 2's logit softcapping: forward, log-sum-exp and explicit backward against the float64 oracle,
+    and the differentiable operator against it too."""
+    q_lens, k_lens, window = SCORE_SHAPES[case]
+    q, k, v, dout = _inputs(q_lens, k_lens, 8, 2, 16, dtype, seed=21 + len(case))
+    args = (_cu(q_lens), _cu(k_lens), max(q_lens), max(k_lens))
+    opts = {"scale": SCALE * 3, "backend": backend, "window": window, "softcap": SOFTCAP}
+    out, lse = attention_forward(q, k, v, *args, **opts)
+    want_out, want_lse = naive_attention(q, k, v, q_lens, k_lens, SCALE * 3, window, SOFTCAP)
+    rtol, atol = _tol(dtype)
+    torch.testing.assert_close(out.double(), want_out, rtol=rtol, atol=atol)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=rtol, atol=atol)
+    plain, _ = naive_attention(q, k, v, q_lens, k_lens, SCALE * 3, window)
+    assert (plain - want_out).abs().max() > 0.1, "the softcap changes nothing here: the case tests nothing"
+    grads = attention_backward(dout, q, k, v, out, lse, *args, **opts)
+    want = naive_grads(q, k, v, dout, q_lens, k_lens, SCALE * 3, window, SOFTCAP)
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, want):
+        torch.testing.assert_close(got.double(), ref, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+    qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+    local_attention(qq, kk, vv, *args, **opts).backward(dout)
+    for name, got, ref in zip(("dq", "dk", "dv"), (qq.grad, kk.grad, vv.grad), want):
+        torch.testing.assert_close(got.double(), ref, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _sinks(hq: int, dtype: torch.dtype, seed: int = 5) -> torch.Tensor:
+    """Per-head sink logits around the rows' log-sum-exp (~2-4 here), so p_sink spans ~0.05-0.9."""
+    return (torch.randn(hq, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 2 + 2).to(
+        dtype
+    )
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("case", sorted(SCORE_SHAPES))
+def test_sinks_match_naive_oracle(case, dtype, backend):
+    """gpt-oss's attention sinks: output and log-sum-exp (over scores and the sink), then the unchanged
+    explicit backward (fed that lse) for dq, dk, dv and sinks_backward for the sinks, against autograd of
+    the float64 oracle; and the differentiable operator (gradient of the sinks included)."""
+    q_lens, k_lens, window = SCORE_SHAPES[case]
+    q, k, v, dout = _inputs(q_lens, k_lens, 8, 2, 16, dtype, seed=31 + len(case))
+    sinks = _sinks(8, dtype)
+    args = (_cu(q_lens), _cu(k_lens), max(q_lens), max(k_lens))
+    opts = {"scale": SCALE, "backend": backend, "window": window}
+    out, lse = attention_forward(q, k, v, *args, **opts, sinks=sinks)
+    want_out, want_lse = naive_attention(q, k, v, q_lens, k_lens, SCALE, window, sinks=sinks)
+    rtol, atol = _tol(dtype)
+    assert out.dtype == dtype and lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    torch.testing.assert_close(out.double(), want_out, rtol=rtol, atol=atol)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=rtol, atol=atol)
+    plain, _ = naive_attention(q, k, v, q_lens, k_lens, SCALE, window)
+    assert (plain - want_out).abs().max() > 0.1, "the sinks change nothing here: the case tests nothing"
+    want = naive_grads(q, k, v, dout, q_lens, k_lens, SCALE, window, sinks=sinks)
+    got = (*attention_backward(dout, q, k, v, out, lse, *args, **opts), sinks_backward(dout, out, lse, sinks))
+    assert want[3].abs().min() > 1e-3, "a head's sink gradient vanishes: the case tests little"
+    for name, g, ref in zip(("dq", "dk", "dv", "dsinks"), got, want):
+        torch.testing.assert_close(g.double(), ref, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v, sinks)]
+    local_attention(*leaves[:3], *args, **opts, sinks=leaves[3]).backward(dout)
+    for name, g, ref in zip(("dq", "dk", "dv", "dsinks"), (t.grad for t in leaves), want):
+        torch.testing.assert_close(g.double(), ref, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_sinks_gradient_matches_autograd_of_reference():
+    """Oracle (b) for the sinks: sinks_backward equals torch.autograd through the reference forward with
+    sinks (float64), softcapping and a window included."""
+    q_lens, k_lens, window = SCORE_SHAPES["window"]
+    q, k, v, dout = _inputs(q_lens, k_lens, 6, 3, 8, torch.float64, seed=41)
+    args = (_cu(q_lens), _cu(k_lens), max(q_lens), max(k_lens))
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v, _sinks(6, torch.float64))]
+    opts = {"scale": SCALE, "window": window, "softcap": SOFTCAP}
+    (reference_varlen_attention(*leaves[:3], *args, **opts, sinks=leaves[3]) * dout).sum().backward()
+    out, lse = attention_forward(q, k, v, *args, **opts, sinks=leaves[3].detach())
+    got = (
+        *attention_backward(dout, q, k, v, out, lse, *args, **opts),
+        sinks_backward(dout, out, lse, leaves[3]),
+    )
+    rtol, atol = TOL["kernel_fp64"]
+    for name, g, leaf in zip(("dq", "dk", "dv", "dsinks"), got, leaves):
+        torch.testing.assert_close(g, leaf.grad, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_softcap_refused_by_backends_without_it(monkeypatch):
+    """cudnn and torch_varlen cannot softcap: an explicit choice raises naming flash_attn and reference,
+    and 'auto' takes flash_attn when it is there, refuses rather than fall back to the slow reference
+    on a GPU, and is the reference on the CPU."""
+    import hf_distca.kernels as kernels
+
+    q, k, v, _ = _inputs([4], [4], 2, 2, 4, torch.float32)
+    seqs = check_inputs(q, k, v, _cu([4]), _cu([4]), 4, 4, None, 30.0)
+    for name in ("cudnn", "torch_varlen"):
+        with pytest.raises(
+            UnsupportedFeatureError, match=r"softcapping \(softcap=30.0: Gemma 2.*'flash_attn'.*'reference'"
+        ):
+            kernels._check_features(seqs, name)
+    kernels._check_features(seqs, "reference")
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(
+        kernels, "available_backends", lambda device, dtype: ["cudnn", "torch_varlen", "reference"]
+    )
+    assert resolve_backend("auto", cuda, torch.bfloat16) == "cudnn"
+    with pytest.raises(UnsupportedFeatureError, match=r"'cudnn' cannot compute attention logit softcapping"):
+        resolve_backend("auto", cuda, torch.bfloat16, softcap=30.0)
+    monkeypatch.setattr(
+        kernels, "available_backends", lambda device, dtype: ["cudnn", "flash_attn", "reference"]
+    )
+    flash = dataclasses.replace(kernels._BACKENDS["flash_attn"], softcap=lambda: True)
+    monkeypatch.setitem(kernels._BACKENDS, "flash_attn", flash)
+    assert resolve_backend("auto", cuda, torch.bfloat16, softcap=30.0) == "flash_attn"
+    monkeypatch.undo()
+    assert resolve_backend("auto", torch.device("cpu"), torch.float32, softcap=30.0) == "reference"
+    with pytest.raises(ValueError, match="softcap must be a positive"):
+        attention_forward(q, k, v, _cu([4]), _cu([4]), 4, 4, softcap=-1.0)
+    with pytest.raises(ValueError, match=r"sinks must hold one logit per query head, shaped \(2,\)"):
+        attention_forward(q, k, v, _cu([4]), _cu([4]), 4, 4, sinks=torch.zeros(3))
 
 
 def test_window_semantics_match_transformers():

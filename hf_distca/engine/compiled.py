@@ -157,7 +157,8 @@ def _core_bwd(
     window: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     runner, _ = _core_runner(q, k, v, token, runtime_key, scale, window)
-    return runner.backward(q, k, v, out, lse, dout)
+    dq, dk, dv, _ = runner.backward(q, k, v, out, lse, dout)
+    return dq, dk, dv
 
 
 @_core_bwd.register_fake
@@ -250,7 +251,8 @@ def _local_bwd(
     window: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     runner = _local_runner(q, cu_seq_lens, position_ids, batch, scale, backend, window)
-    return runner.backward(q, k, v, out, lse, dout)
+    dq, dk, dv, _ = runner.backward(q, k, v, out, lse, dout)
+    return dq, dk, dv
 
 
 @_local_bwd.register_fake

@@ -51,12 +51,10 @@ class _Call:
     """One attention call of one nano-batch, shared by its three nodes."""
 
     prep: PreparedAttention
-    group: Any
-    scale: float | None
-    backend: str
-    kv_dtype: torch.dtype
     runner: Any
-    """The same call's one-part runner: what a rematerialization-aware replay records."""
+    """The same call's one-part runner (:class:`~hf_distca.engine.op.PingPongRunner`): its group, scale,
+    kernel backend and softcap, and what a rematerialization-aware replay records."""
+    kv_dtype: torch.dtype
     index: int
     """The nano-batch's index: its stages' profiler ranges are ``distca.<pass>.<stage>.<index>``."""
     in_flight: Exchange | None = None
@@ -80,7 +78,7 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, token, call: _Call):  # type: ignore[override]
         with stage_range(f"fwd.dispatch.{call.index}"):
-            call.in_flight = dispatch(call.prep, q, k, v, call.group, async_op=True)
+            call.in_flight = dispatch(call.prep, q, k, v, call.runner.group, async_op=True)
         ctx.call = call
         return _next(token)
 
@@ -95,34 +93,37 @@ class _Dispatch(torch.autograd.Function):
 
 class _Serve(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, token, call: _Call):  # type: ignore[override]
+    def forward(ctx, q, k, v, token, call: _Call, sinks):  # type: ignore[override]
+        run = call.runner
         with stage_range(f"fwd.wait_dispatch.{call.index}"):
             received = call.wait()
         with stage_range(f"fwd.compute.{call.index}"):
             call.out_kernel, call.lse = compute(
-                call.prep, q, k, v, received, scale=call.scale, backend=call.backend
-            )  # (Tk, Hq, D), (Tk, Hq)
+                call.prep, q, k, v, received, scale=run.scale, backend=run.backend, softcap=run.softcap,
+                sinks=sinks,
+            )  # fmt: skip  # (Tk, Hq, D), (Tk, Hq)
         del received  # the received rows are freed once the kernel has run
         with stage_range(f"fwd.return.{call.index}"):
-            call.in_flight = return_outputs(call.prep, call.out_kernel, call.group, async_op=True)
-        ctx.call = call
+            call.in_flight = return_outputs(call.prep, call.out_kernel, run.group, async_op=True)
+        ctx.call, ctx.sinks = call, sinks  # the sinks (a leaf parameter) as an attribute, like op.py's
         return _next(token)
 
     @staticmethod
     def backward(ctx, dtoken):  # type: ignore[override]
-        call = ctx.call
+        call, run = ctx.call, ctx.call.runner
         q, k, v, out, dout = call.backward_inputs
         call.backward_inputs = None
         with stage_range(f"bwd.wait_dispatch.{call.index}"):
             received = call.wait()
         with stage_range(f"bwd.compute.{call.index}"):
-            grads = compute_backward(
-                call.prep, q, k, v, out, dout, call.lse, received, scale=call.scale, backend=call.backend
-            )  # dq (Tk, Hq, D), dk and dv (Tkv, Hkv, D)
+            *grads, dsinks = compute_backward(
+                call.prep, q, k, v, out, dout, call.lse, received, scale=run.scale, backend=run.backend,
+                softcap=run.softcap, sinks=ctx.sinks,
+            )  # fmt: skip  # dq (Tk, Hq, D), dk and dv (Tkv, Hkv, D); this server's share of the sinks' gradient
         del received
         with stage_range(f"bwd.return.{call.index}"):
-            call.grads = return_grads(call.prep, *grads, call.group, async_op=True)
-        return None, None, None, dtoken, None
+            call.grads = return_grads(call.prep, *grads, run.group, async_op=True)
+        return None, None, None, dtoken, None, dsinks
 
 
 class _Return(torch.autograd.Function):
@@ -144,7 +145,9 @@ class _Return(torch.autograd.Function):
         dout = dout.contiguous()
         call.backward_inputs = (q, k, v, out, dout)
         with stage_range(f"bwd.dispatch.{call.index}"):
-            call.in_flight = dispatch_backward(call.prep, q, k, v, out, dout, call.group, async_op=True)
+            call.in_flight = dispatch_backward(
+                call.prep, q, k, v, out, dout, call.runner.group, async_op=True
+            )
         return None, None, None, dtoken, None
 
 
@@ -156,20 +159,18 @@ def interleaved_core_attention(
     inter: Interleave,
     index: int,
     *,
-    group: Any,
-    scale: float | None,
-    backend: str,
     runner: Any,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Balanced core attention of nano-batch ``index`` of ``inter``: the three nodes, with a switch to the
     other nano-batch after the first two. q: (T_local, Hq, D); k, v: (T_local, Hkv, D); returns
-    (T_local, Hq, D), differentiable w.r.t. q, k and v. ``runner``: the call's one-part runner (kept for
-    a rematerialization-aware replay)."""
-    call = _Call(prep, group, scale, backend, k.dtype, runner, index)
+    (T_local, Hq, D), differentiable w.r.t. q, k, v (and the attention ``sinks``, (Hq,), when given).
+    ``runner``: the call's one-part runner (its group, scale, kernel backend and softcap)."""
+    call = _Call(prep, runner, k.dtype, index)
     token = _Dispatch.apply(q, k, v, inter.chain_token(q), call)
     inter.set_chain_token(token)
     inter.switch(index)
-    token = _Serve.apply(q, k, v, inter.chain_token(q), call)
+    token = _Serve.apply(q, k, v, inter.chain_token(q), call, sinks)
     inter.set_chain_token(token)
     inter.switch(index)
     out, token = _Return.apply(q, k, v, inter.chain_token(q), call)

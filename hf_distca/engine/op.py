@@ -68,7 +68,7 @@ from hf_distca.engine.stages import (
     return_outputs,
     stage_range,
 )
-from hf_distca.kernels import attention_backward, attention_forward
+from hf_distca.kernels import attention_backward, attention_forward, sinks_backward
 
 
 def _wait(exchange) -> torch.Tensor | None:
@@ -95,6 +95,8 @@ class PingPongRunner:
     group: Any
     scale: float | None
     backend: str
+    softcap: float | None = None
+    """Attention logit softcapping of the server kernels (None: none)."""
 
     def _name(self, stage: str, j: int) -> str:
         return stage if len(self.split.parts) == 1 else f"{stage}.{j}"
@@ -133,12 +135,24 @@ class PingPongRunner:
             del result
         return returning
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         parts, group, name = self.split.parts, self.group, self._name
         outs, lses = [], []
 
         def run(j, part, received):
-            out_kernel, lse = compute(part, q, k, v, received, scale=self.scale, backend=self.backend)
+            out_kernel, lse = compute(
+                part,
+                q,
+                k,
+                v,
+                received,
+                scale=self.scale,
+                backend=self.backend,
+                softcap=self.softcap,
+                sinks=sinks,
+            )
             outs.append(out_kernel)
             lses.append(lse)
             return out_kernel
@@ -165,15 +179,24 @@ class PingPongRunner:
         out: torch.Tensor,
         lse: torch.Tensor,
         dout: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        sinks: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         parts, group, name = self.split.parts, self.group, self._name
         lses = lse.split([len(part.index.kernel_q_index) for part in parts])
+        dsinks = []  # per part, this server's share of the sinks' gradient
+
+        def run(j, part, received):
+            *grads, dsinks_j = compute_backward(
+                part, q, k, v, out, dout, lses[j], received, scale=self.scale, backend=self.backend,
+                softcap=self.softcap, sinks=sinks,
+            )  # fmt: skip
+            dsinks.append(dsinks_j)
+            return grads
+
         returning = self._interleave(
             "bwd",
             lambda part: dispatch_backward(part, q, k, v, out, dout, group, async_op=self.overlaps),
-            lambda j, part, received: compute_backward(
-                part, q, k, v, out, dout, lses[j], received, scale=self.scale, backend=self.backend
-            ),
+            run,
             lambda part, grads: return_grads(
                 part, *grads, group, async_op=self.overlaps
             ),  # grads: dq, dk, dv
@@ -186,7 +209,8 @@ class PingPongRunner:
             dqs.append(dq_j)  # (rows_j, Hq, D)
             dk, dv = (dk_j, dv_j) if dk is None else (dk + dk_j, dv + dv_j)  # (T_local, Hkv, D)
         dq = self._in_local_order(dqs, q.device)  # (T_local, Hq, D)
-        return dq, dk.to(k.dtype), dv.to(k.dtype)
+        dsink = None if sinks is None else torch.stack(dsinks).sum(0)  # (Hq,)
+        return dq, dk.to(k.dtype), dv.to(k.dtype), dsink
 
 
 @dataclass(frozen=True)
@@ -200,16 +224,20 @@ class LocalRunner:
     scale: float | None
     backend: str
     window: int | None = None
+    softcap: float | None = None
 
     def _seqs(self) -> tuple:
         return self.cu_seqlens_q, self.cu_seqlens_k, self.max_seqlen_q, self.max_seqlen_k
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if q.shape[0]:
             metrics.record_forward_kernel()
         return attention_forward(
-            q, k, v, *self._seqs(), scale=self.scale, backend=self.backend, window=self.window
-        )
+            q, k, v, *self._seqs(), scale=self.scale, backend=self.backend, window=self.window,
+            softcap=self.softcap, sinks=sinks,
+        )  # fmt: skip
 
     def backward(
         self,
@@ -219,9 +247,11 @@ class LocalRunner:
         out: torch.Tensor,
         lse: torch.Tensor,
         dout: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return attention_backward(
-            dout.contiguous(),
+        sinks: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        dout = dout.contiguous()
+        grads = attention_backward(
+            dout,
             q,
             k,
             v,
@@ -231,35 +261,40 @@ class LocalRunner:
             scale=self.scale,
             backend=self.backend,
             window=self.window,
+            softcap=self.softcap,
         )
+        return *grads, (None if sinks is None else sinks_backward(dout, out, lse, sinks))
 
 
 class _AttentionOp(torch.autograd.Function):
-    """out = attention(q, k, v) by ``runner``; or, with ``saved`` (a rematerialization-aware recompute),
-    the kept output without running anything. Saves exactly (q, k, v, out) either way, so that
-    checkpointing's recompute refills the original node's saved tensors one for one."""
+    """out = attention(q, k, v) by ``runner`` (with attention ``sinks`` when given: a differentiable
+    input); or, with ``saved`` (a rematerialization-aware recompute), the kept output without running
+    anything. Saves exactly (q, k, v, out) either way, so that checkpointing's recompute refills the
+    original node's saved tensors one for one (the sinks, a leaf parameter, are kept as an attribute)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, runner, saved: SavedAttention | None):  # type: ignore[override]
+    def forward(ctx, q, k, v, runner, saved: SavedAttention | None, sinks=None):  # type: ignore[override]
         if saved is None:
-            out, lse = runner.forward(q, k, v)
+            out, lse = runner.forward(q, k, v, sinks)
             keep_for_recompute(out, lse, runner)
         else:
             out, lse, runner = saved.out.view_as(saved.out), saved.lse, saved.runner
         ctx.save_for_backward(q, k, v, out)
-        ctx.lse, ctx.runner = lse, runner
+        ctx.lse, ctx.runner, ctx.sinks = lse, runner, sinks
         return out
 
     @staticmethod
     def backward(ctx, dout):  # type: ignore[override]
         q, k, v, out = ctx.saved_tensors
-        dq, dk, dv = ctx.runner.backward(q, k, v, out, ctx.lse, dout)
-        return dq, dk, dv, None, None
+        dq, dk, dv, dsinks = ctx.runner.backward(q, k, v, out, ctx.lse, dout, ctx.sinks)
+        return dq, dk, dv, None, None, dsinks
 
 
-def _replay(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, saved: SavedAttention) -> torch.Tensor:
+def _replay(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, saved: SavedAttention, sinks: torch.Tensor | None
+) -> torch.Tensor:
     metrics.record_replay()
-    return _AttentionOp.apply(q, k, v, saved.runner, saved)
+    return _AttentionOp.apply(q, k, v, saved.runner, saved, sinks)
 
 
 def core_attention(
@@ -273,6 +308,8 @@ def core_attention(
     scale: float | None = None,
     all_pieces: Sequence[Sequence[Sequence[int]]] | None = None,
     window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal per-document attention of this rank's queries, computed by balanced attention servers.
 
@@ -285,27 +322,37 @@ def core_attention(
     each other on the first call with each new object (see :mod:`hf_distca.engine.prepare`).
     window: the layer's sliding window (Transformers' ``sliding_window``; None: full causal): a query
     shard then reads and is sent only the keys of its window, and the plan balances windowed work.
-    Returns (T_local, H_q, D), differentiable w.r.t. q, k and v. Inside a rematerialization-aware
+    softcap: attention logit softcapping (Gemma 2; backends 'reference' and 'flash_attn').
+    sinks: (H_q,) attention-sink logits (gpt-oss), equal on every rank; the servers apply them to the rows
+    they compute and each rank's gradient of them is its server's share (the sum over ranks, as data
+    parallelism sums parameter gradients, is the gradient).
+    Returns (T_local, H_q, D), differentiable w.r.t. q, k, v (and sinks). Inside a rematerialization-aware
     checkpoint recompute, returns the output kept from the forward (no planning, no communication).
     """
     saved = take_saved_attention(q.shape[0])
     if saved is not None:
-        return _replay(q, k, v, saved)
+        return _replay(q, k, v, saved, sinks)
     config = config or DistCAConfig()
     prepared = prepare(q, k, v, pieces, group=group, config=config, all_pieces=all_pieces, window=window)
     metrics.record_call(prepared.flops_before, prepared.flops_after)
     here = interleave.current()
     if here is not None:  # a nano-batch of an interleaved forward: its exchanges around the other's work
-        runner = PingPongRunner(whole(prepared), group, scale, config.backend)
-        return interleaved_core_attention(
-            q, k, v, prepared, *here, group=group, scale=scale, backend=config.backend, runner=runner
-        )
-    runner = engine_runner(prepared, group=group, config=config, scale=scale, on_cuda=q.is_cuda)
-    return _AttentionOp.apply(q, k, v, runner, None)
+        runner = PingPongRunner(whole(prepared), group, scale, config.backend, softcap)
+        return interleaved_core_attention(q, k, v, prepared, *here, runner=runner, sinks=sinks)
+    runner = engine_runner(
+        prepared, group=group, config=config, scale=scale, on_cuda=q.is_cuda, softcap=softcap
+    )
+    return _AttentionOp.apply(q, k, v, runner, None, sinks)
 
 
 def engine_runner(
-    prepared: PreparedAttention, *, group: Any, config: DistCAConfig, scale: float | None, on_cuda: bool
+    prepared: PreparedAttention,
+    *,
+    group: Any,
+    config: DistCAConfig,
+    scale: float | None,
+    on_cuda: bool,
+    softcap: float | None = None,
 ) -> PingPongRunner:
     """The runner of one prepared micro-batch: ping-pong nano-batches when ``config.ping_pong`` asks for
     them (None: on CUDA tensors) and the plan communicates, else the micro-batch as one part (serial)."""
@@ -314,7 +361,7 @@ def engine_runner(
         split = nano_batches(prepared, config.shard_tokens, config.ping_pong_split)
     else:
         split = whole(prepared)
-    return PingPongRunner(split, group, scale, config.backend)
+    return PingPongRunner(split, group, scale, config.backend, softcap)
 
 
 def local_attention(
@@ -329,14 +376,16 @@ def local_attention(
     scale: float | None = None,
     backend: str = "auto",
     window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal (bottom-right aligned) varlen attention of this process's own sequences, differentiable,
-    with the same operator as :func:`core_attention` (so rematerialization-aware checkpointing applies).
-    Arguments as :func:`hf_distca.kernels.attention_forward`."""
+    """Causal (bottom-right aligned) varlen attention of this process's own sequences, differentiable
+    (w.r.t. q, k, v and ``sinks``), with the same operator as :func:`core_attention` (so
+    rematerialization-aware checkpointing applies). Arguments as :func:`hf_distca.kernels.attention_forward`."""
     saved = take_saved_attention(q.shape[0])
     if saved is not None:
-        return _replay(q, k, v, saved)
+        return _replay(q, k, v, saved, sinks)
     runner = LocalRunner(
-        cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale, backend, window
+        cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale, backend, window, softcap
     )
-    return _AttentionOp.apply(q, k, v, runner, None)
+    return _AttentionOp.apply(q, k, v, runner, None, sinks)

@@ -30,7 +30,7 @@ import torch
 from hf_distca import metrics
 from hf_distca.comm import Exchange, all_to_all_v
 from hf_distca.engine.prepare import PreparedAttention
-from hf_distca.kernels import attention_backward, attention_forward
+from hf_distca.kernels import attention_backward, attention_forward, sinks_backward
 from hf_distca.planning.traffic import PHASES
 
 FWD_DISPATCH, FWD_RETURN, BWD_DISPATCH, BWD_RETURN = PHASES
@@ -129,9 +129,13 @@ def compute(
     *,
     scale: float | None,
     backend: str,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """This server's fused forward kernel over all its tasks: (out, lse) in kernel row order,
-    (Tk, Hq, D) and (Tk, Hq) float32."""
+    (Tk, Hq, D) and (Tk, Hq) float32. ``sinks`` (Hq,) are applied here, on the server, to every row it
+    computes (the returned outputs are final and the kept lse includes the sink); they must be equal on
+    every rank (a replicated parameter)."""
     ix, dev = prep.index, prep.device_index(q.device)
     rq, rkv, qi, kvi = ix.recv_q_counts, ix.recv_kv_counts, dev.kernel_q_index, dev.kernel_kv_index
     # (Tk, Hq, D), (Tkv, Hkv, D), (Tkv, Hkv, D)
@@ -139,8 +143,9 @@ def compute(
     if q_kernel.shape[0]:
         metrics.record_forward_kernel()
     return attention_forward(
-        q_kernel, k_kernel, v_kernel, *prep.kernel_seqs(), scale=scale, backend=backend, window=prep.window
-    )
+        q_kernel, k_kernel, v_kernel, *prep.kernel_seqs(), scale=scale, backend=backend, window=prep.window,
+        softcap=softcap, sinks=sinks,
+    )  # fmt: skip
 
 
 def return_outputs(
@@ -204,18 +209,23 @@ def compute_backward(
     *,
     scale: float | None,
     backend: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """This server's backward kernel over all its tasks: dq (Tk, Hq, D), dk and dv (Tkv, Hkv, D) in
-    kernel row order."""
+    kernel row order, and with ``sinks`` this server's share of their gradient (Hq,) (the sum over the
+    rows it computed; the shares of all servers sum to the gradient), else None."""
     ix, dev = prep.index, prep.device_index(q.device)
     rq, rkv, qi, kvi = ix.recv_q_counts, ix.recv_kv_counts, dev.kernel_q_index, dev.kernel_kv_index
     # (Tk, Hq, D) x 3, (Tkv, Hkv, D) x 2
     q_k, o_k, do_k, k_k, v_k = _kernel_rows(
         [q, out, dout, k, v], received, [rq, rq, rq, rkv, rkv], [qi, qi, qi, kvi, kvi]
     )
-    return attention_backward(
-        do_k, q_k, k_k, v_k, o_k, lse, *prep.kernel_seqs(), scale=scale, backend=backend, window=prep.window
-    )
+    grads = attention_backward(
+        do_k, q_k, k_k, v_k, o_k, lse, *prep.kernel_seqs(), scale=scale, backend=backend, window=prep.window,
+        softcap=softcap,
+    )  # fmt: skip
+    return *grads, (None if sinks is None else sinks_backward(do_k, o_k, lse, sinks))
 
 
 @dataclass

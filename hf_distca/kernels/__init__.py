@@ -7,7 +7,10 @@ bottom-right (query i of a sequence sees keys j <= i + (len_k - len_q)), which i
 a CA-task: a query shard at the end of a longer KV prefix. A sliding ``window`` (Transformers'
 ``sliding_window``: query position i sees key j iff 0 <= i - j < window) is supported by every backend
 (torch_varlen needs torch >= 2.11's ``window_size``). GQA (fewer KV heads) is supported by every
-backend.
+backend. Attention logit softcapping (``softcap``, Gemma 2) is computed by the reference and flash_attn
+(flash-attn >= 2.6) backends only; the others refuse it, naming those two. Attention sinks (``sinks``,
+gpt-oss) are exact on every backend: they are applied to the output and log-sum-exp any backend returns
+(:mod:`hf_distca.kernels.sinks`).
 
 :func:`attention_forward` returns the output and the log-sum-exp of the scaled scores;
 :func:`attention_backward` turns (q, k, v, out, lse, dout) into (dq, dk, dv). Neither is
@@ -25,8 +28,16 @@ import torch
 
 from hf_distca.config import KERNEL_BACKENDS
 from hf_distca.kernels import cudnn_frontend, flash, reference, torch_varlen
-from hf_distca.kernels.common import PackedSeqs, UnsupportedFeatureError, check_backward_inputs, check_inputs
+from hf_distca.kernels.common import (
+    PackedSeqs,
+    UnsupportedFeatureError,
+    check_backward_inputs,
+    check_inputs,
+    check_sinks,
+)
 from hf_distca.kernels.reference import reference_varlen_attention
+from hf_distca.kernels.sinks import sinks_backward as _sinks_backward
+from hf_distca.kernels.sinks import with_sinks
 
 __all__ = [
     "UnsupportedFeatureError",
@@ -35,6 +46,7 @@ __all__ = [
     "available_backends",
     "reference_varlen_attention",
     "resolve_backend",
+    "sinks_backward",
 ]
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -56,6 +68,8 @@ class _Backend:
     """Whether the backend computes a sliding window (``PackedSeqs.window``)."""
     missing_window: str = ""
     """What a sliding window needs when ``window()`` is False."""
+    softcap: Callable[[], bool] = lambda: False
+    """Whether the backend computes attention logit softcapping (``PackedSeqs.softcap``)."""
 
 
 _BACKENDS: dict[str, _Backend] = {
@@ -76,9 +90,16 @@ _BACKENDS: dict[str, _Backend] = {
         "torch.nn.attention.varlen's window_size needs torch >= 2.11",
     ),
     "flash_attn": _Backend(
-        flash.available, True, flash.forward, flash.backward, "flash-attn (pip install flash-attn) and CUDA"
+        flash.available,
+        True,
+        flash.forward,
+        flash.backward,
+        "flash-attn (pip install flash-attn) and CUDA",
+        softcap=flash.supports_softcap,
     ),
-    "reference": _Backend(lambda: True, False, reference.forward, reference.backward, ""),
+    "reference": _Backend(
+        lambda: True, False, reference.forward, reference.backward, "", softcap=lambda: True
+    ),
 }
 # config.KERNEL_BACKENDS is the one list of names: 'auto' first, then every backend best first
 if set(KERNEL_BACKENDS) != {"auto", *_BACKENDS}:
@@ -99,12 +120,23 @@ def available_backends(device: torch.device, dtype: torch.dtype) -> list[str]:
     return [name for name in KERNEL_BACKENDS if name != "auto" and _usable(name, device, dtype)]
 
 
-def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
-    """Turn 'auto' into a concrete backend; raise a clear error for an impossible explicit choice."""
+def resolve_backend(
+    backend: str, device: torch.device, dtype: torch.dtype, *, softcap: float | None = None
+) -> str:
+    """Turn 'auto' into a concrete backend; raise a clear error for an impossible explicit choice.
+
+    With ``softcap``, 'auto' takes the best backend that computes it, but never falls back from a fast
+    GPU backend to the slow reference: it refuses instead, naming what would work."""
     if backend not in KERNEL_BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}; use one of {', '.join(KERNEL_BACKENDS)}")
     if backend == "auto":
-        return available_backends(device, dtype)[0]
+        usable = available_backends(device, dtype)
+        if softcap:
+            capable = [name for name in usable if _BACKENDS[name].softcap()]
+            if capable[0] == "reference" and usable[0] != "reference":
+                _refuse_softcap(usable[0], softcap)
+            return capable[0]
+        return usable[0]
     if not _usable(backend, device, dtype):
         spec = _BACKENDS[backend]
         why = (
@@ -118,14 +150,30 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> s
     return backend
 
 
-def _forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: PackedSeqs, scale: float, name: str
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _refuse_softcap(name: str, softcap: float) -> None:
+    raise UnsupportedFeatureError(
+        f"kernel backend {name!r} cannot compute attention logit softcapping (softcap={softcap}: Gemma 2's "
+        "attn_logit_softcapping, scores squashed to softcap * tanh(score / softcap)). Backends that compute it "
+        "exactly: 'flash_attn' (CUDA, flash-attn >= 2.6: pip install flash-attn) and 'reference' (any device, "
+        "exact but slow); choose one with DistCAConfig(backend=...) / --backend"
+    )
+
+
+def _check_features(seqs: PackedSeqs, name: str) -> None:
+    """Refuse what backend ``name`` cannot compute (rather than computing other math)."""
     if seqs.window is not None and not _BACKENDS[name].window():
         raise UnsupportedFeatureError(
             f"kernel backend {name!r} cannot compute sliding-window attention here "
             f"({_BACKENDS[name].missing_window}); use backend='reference' or another backend"
         )
+    if seqs.softcap is not None and not _BACKENDS[name].softcap():
+        _refuse_softcap(name, seqs.softcap)
+
+
+def _forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: PackedSeqs, scale: float, name: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_features(seqs, name)
     if q.shape[0] == 0:  # no query rows: nothing to run (GPU kernels may refuse empty launches)
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         return q.new_empty(q.shape), torch.empty(0, q.shape[1], dtype=lse_dtype, device=q.device)
@@ -143,6 +191,7 @@ def _backward(
     scale: float,
     name: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_features(seqs, name)
     if q.shape[0] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dq, dk, dv = _BACKENDS[name].backward(dout, q, k, v, out, lse, seqs, scale)
@@ -165,6 +214,8 @@ def attention_forward(
     scale: float | None = None,
     backend: str = "auto",
     window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal (bottom-right aligned) varlen attention forward; not differentiable.
 
@@ -173,11 +224,18 @@ def attention_forward(
     scale defaults to D ** -0.5; ``window``: the sliding window (None: full causal). Returns out (Tq, Hq, D)
     in q's dtype and lse (Tq, Hq), the natural-log log-sum-exp of the scaled scores, in float32 (float64
     for float64 inputs). Offsets on a GPU are read once on the host (one synchronisation); pass them on
-    the CPU to avoid it.
+    the CPU to avoid it. ``softcap``: attention logit softcapping (scores -> softcap * tanh(score / softcap)
+    before the mask and softmax; None or 0: none). ``sinks``: (Hq,) attention-sink logits, one extra
+    softmax column per row and head that carries no value (:mod:`hf_distca.kernels.sinks`); the returned
+    lse then includes it, which is what :func:`attention_backward` takes (gradients of the sinks:
+    :func:`sinks_backward`).
     """
-    seqs = check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window)
-    name = resolve_backend(backend, q.device, q.dtype)
-    return _forward(q, k, v, seqs, q.shape[-1] ** -0.5 if scale is None else scale, name)
+    seqs = check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window, softcap)
+    if sinks is not None:
+        check_sinks(sinks, q)
+    name = resolve_backend(backend, q.device, q.dtype, softcap=seqs.softcap)
+    out, lse = _forward(q, k, v, seqs, q.shape[-1] ** -0.5 if scale is None else scale, name)
+    return (out, lse) if sinks is None else with_sinks(out, lse, sinks.detach())
 
 
 def attention_backward(
@@ -195,15 +253,29 @@ def attention_backward(
     scale: float | None = None,
     backend: str = "auto",
     window: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`attention_forward` from its inputs, its (out, lse) and dout; not differentiable.
 
     Returns dq like q and dk, dv like k, v (GQA: summed over each KV head's query group), in the inputs'
     dtypes. Keys of sequences without queries get zero gradients. ``out`` and ``lse`` must come from a
-    forward of the same inputs and ``window`` (any backend: all agree up to rounding).
+    forward of the same inputs, ``window`` and ``softcap`` (any backend: all agree up to rounding); with
+    sinks, the forward's (out, lse) already hold them and these gradients are exact as they are.
     """
-    seqs = check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window)
+    seqs = check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window, softcap)
     check_backward_inputs(dout, q, out, lse)
-    name = resolve_backend(backend, q.device, q.dtype)
+    name = resolve_backend(backend, q.device, q.dtype, softcap=seqs.softcap)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return _backward(dout, q, k, v, out, lse, seqs, scale, name)
+
+
+def sinks_backward(
+    dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor
+) -> torch.Tensor:
+    """Gradient of the attention sinks (Hq,) of rows whose :func:`attention_forward` with ``sinks`` gave
+    ``out`` (Tq, Hq, D) and ``lse`` (Tq, Hq), from their dout: -sum over rows of p_sink * (dout . out)
+    per head, in sinks' dtype. Rows may be any subset of a call's (a server's sum over its rows plus the
+    other servers' sums is the whole gradient)."""
+    check_sinks(sinks, out)
+    check_backward_inputs(dout, out, out, lse)
+    return _sinks_backward(dout, out, lse, sinks.detach())

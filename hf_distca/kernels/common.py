@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,9 @@ class PackedSeqs:
     window: int | None = None
     """Sliding window (Transformers' ``sliding_window``): keys at most window - 1 positions before the
     query; None: full causal."""
+    softcap: float | None = None
+    """Attention logit softcapping (Gemma 2's ``attn_logit_softcapping``): each scaled score s becomes
+    softcap * tanh(s / softcap) before the softmax; None: plain scores."""
 
     @property
     def num_seqs(self) -> int:
@@ -57,6 +61,7 @@ def check_inputs(
     max_seqlen_q: int,
     max_seqlen_k: int,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> PackedSeqs:
     """Validate the packed layout and return it with host copies of the offsets.
 
@@ -114,8 +119,11 @@ def check_inputs(
     if window is not None and (isinstance(window, bool) or int(window) != window or window < 1):
         raise ValueError(f"window must be a positive int (the sliding window) or None, got {window!r}")
     window = None if window is None else int(window)
+    if softcap is not None and (isinstance(softcap, bool) or not math.isfinite(softcap) or softcap < 0):
+        raise ValueError(f"softcap must be a positive finite number or None (0: none), got {softcap!r}")
+    softcap = float(softcap) if softcap else None  # 0.0 means none, as in flash-attn
     return PackedSeqs(
-        cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), q_bounds, k_bounds, window
+        cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), q_bounds, k_bounds, window, softcap
     )
 
 
@@ -138,3 +146,13 @@ def check_backward_inputs(dout: torch.Tensor, q: torch.Tensor, out: torch.Tensor
         )
     if lse.shape != q.shape[:2]:
         raise ValueError(f"lse must be shaped (Tq, Hq) = {tuple(q.shape[:2])}, got {tuple(lse.shape)}")
+
+
+def check_sinks(sinks: torch.Tensor, q: torch.Tensor) -> None:
+    """Attention sinks are one logit per query head, on q's device."""
+    if sinks.shape != (q.shape[1],):
+        raise ValueError(
+            f"sinks must hold one logit per query head, shaped ({q.shape[1]},), got {tuple(sinks.shape)}"
+        )
+    if sinks.device != q.device:
+        raise ValueError(f"sinks must be on q's device {q.device}, got {sinks.device}")

@@ -30,6 +30,11 @@ def available() -> bool:
     return _interface() is not None and torch.cuda.is_available()
 
 
+def supports_softcap() -> bool:
+    """Whether the installed flash-attn computes softcapping (its varlen forward takes ``softcap``)."""
+    return available() and "softcap" in inspect.signature(_interface().flash_attn_varlen_func).parameters
+
+
 def _offsets(seqs: PackedSeqs, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return device_offsets(seqs.cu_seqlens_q, device), device_offsets(seqs.cu_seqlens_k, device)
 
@@ -55,6 +60,7 @@ def forward(
         causal=True,
         window_size=_window_size(seqs),
         return_attn_probs=True,
+        **({"softcap": seqs.softcap} if seqs.softcap else {}),
     )
     return out, lse.float().transpose(0, 1).contiguous()  # (Hq, Tq) -> (Tq, Hq)
 
@@ -92,7 +98,7 @@ def backward(
         "window_size": _window_size(seqs),
         "window_size_left": _window_size(seqs)[0],
         "window_size_right": 0,
-        "softcap": 0.0,
+        "softcap": seqs.softcap or 0.0,
         "alibi_slopes": None,
         "deterministic": False,
         "rng_state": None,

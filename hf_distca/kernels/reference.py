@@ -1,5 +1,8 @@
 """The reference kernel: plain softmax attention per sequence, the oracle of every test.
 
+Scores are ``scale * q . k``, softcapped when ``seqs.softcap`` is set (``softcap * tanh(score /
+softcap)``, Gemma 2), masked (bottom-right causal, optionally windowed), then softmaxed.
+
 Any device, any dtype: computes in float32 (float64 for float64 inputs) and returns q's dtype. Queries
 are processed in chunks so memory stays at O(chunk x Tk x Hq) per sequence. The forward is written
 with differentiable torch ops (tests take torch.autograd of it as a second oracle); the backward is
@@ -10,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from hf_distca.kernels.common import PackedSeqs, check_inputs
+from hf_distca.kernels.common import PackedSeqs, check_inputs, check_sinks
+from hf_distca.kernels.sinks import with_sinks
 
 _Q_CHUNK = 1024
 _CHUNK_ELEMENTS = 1 << 26  # scores per chunk (Hq x rows x keys): 256 MiB in float32
@@ -43,6 +47,18 @@ def _causal_allowed(
     return allowed
 
 
+def _scores(
+    qs: torch.Tensor, ks: torch.Tensor, scale: float, softcap: float | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(Hq, lc, lk) scores of queries qs (lc, Hq, D) against keys ks (lk, Hq, D), softcapped when
+    ``softcap`` is set, and tanh(raw / softcap) (the backward's factor; None without softcap)."""
+    scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale  # (Hq, lc, lk)
+    if softcap is None:
+        return scores, None
+    squashed = torch.tanh(scores / softcap)  # (Hq, lc, lk)
+    return softcap * squashed, squashed
+
+
 def forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: PackedSeqs, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,7 +75,7 @@ def forward(
         vs = v[k0:k1].to(compute).repeat_interleave(groups, dim=1)  # (lk, Hq, D)
         for c0, c1 in _chunks(0, lq, lk, q.shape[1]):
             qs = q[q0 + c0 : q0 + c1].to(compute)  # (lc, Hq, D)
-            scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale  # (Hq, lc, lk)
+            scores, _ = _scores(qs, ks, scale, seqs.softcap)  # (Hq, lc, lk)
             allowed = _causal_allowed(c0, c1, lq, lk, q.device, seqs.window)
             scores = scores.masked_fill(~allowed, float("-inf"))
             lse = torch.logsumexp(scores, dim=-1)  # (Hq, lc); every row sees >= 1 key (itself)
@@ -85,7 +101,8 @@ def backward(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Closed-form gradients: P = exp(S - lse), dV = P^T dO, dP = dO V^T, delta = rowsum(dO * O),
-    dS = P * (dP - delta), dQ = scale dS K, dK = scale dS^T Q; GQA sums dK/dV over each query group."""
+    dS = P * (dP - delta), dQ = scale dS K, dK = scale dS^T Q; GQA sums dK/dV over each query group.
+    With softcap, S = c tanh(R / c) of the raw scaled scores R, and dR = dS * (1 - tanh^2(R / c))."""
     hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
     groups = hq // hkv
     compute = _compute_dtype(q.dtype)
@@ -104,7 +121,7 @@ def backward(
         for c0, c1 in _chunks(0, lq, lk, hq):
             rows = slice(q0 + c0, q0 + c1)
             qs, dos, os = (t[rows].to(compute) for t in (q, dout, out))  # (lc, Hq, D) each
-            scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale  # (Hq, lc, lk)
+            scores, squashed = _scores(qs, ks, scale, seqs.softcap)  # (Hq, lc, lk)
             allowed = _causal_allowed(c0, c1, lq, lk, q.device, seqs.window)
             scores = scores.masked_fill(~allowed, float("-inf"))
             probs = torch.exp(scores - lse[rows].to(compute).transpose(0, 1).unsqueeze(-1))  # (Hq, lc, lk)
@@ -112,6 +129,8 @@ def backward(
             dprobs = torch.einsum("qhd,khd->hqk", dos, vs)  # (Hq, lc, lk)
             delta = (dos * os).sum(-1).transpose(0, 1).unsqueeze(-1)  # (Hq, lc, 1)
             dscores = probs * (dprobs - delta)  # (Hq, lc, lk)
+            if squashed is not None:  # d/dR of c tanh(R / c); masked entries have probs 0
+                dscores = dscores * (1 - squashed * squashed)
             dq[rows] = scale * torch.einsum("hqk,khd->qhd", dscores, ks)
             dk_seq += scale * torch.einsum("hqk,qhd->khd", dscores, qs)
         dk[k0:k1] = dk_seq.view(lk, hkv, groups, d).sum(2)  # query head h uses KV head h // groups
@@ -131,12 +150,18 @@ def reference_varlen_attention(
     scale: float | None = None,
     return_lse: bool = False,
     window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """The oracle: the reference forward differentiated by torch.autograd (no explicit backward).
+    """The oracle: the reference forward differentiated by torch.autograd (no explicit backward; with
+    ``sinks``, differentiable w.r.t. them too).
 
-    Same layout and masking as :func:`hf_distca.kernels.attention_forward`; returns out, and with
-    ``return_lse`` also lse.
+    Same layout, masking, softcapping and sinks as :func:`hf_distca.kernels.attention_forward`; returns
+    out, and with ``return_lse`` also lse.
     """
-    seqs = check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window)
+    seqs = check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window, softcap)
     out, lse = forward(q, k, v, seqs, q.shape[-1] ** -0.5 if scale is None else scale)
+    if sinks is not None:
+        check_sinks(sinks, q)
+        out, lse = with_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out
