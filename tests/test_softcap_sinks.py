@@ -1,7 +1,8 @@
 """Attention logit softcapping (Gemma 2) and attention sinks (gpt-oss) through the engine and in tiny models.
 
 Engine: ``core_attention`` with ``softcap`` / ``sinks`` on 2 gloo processes, documents cut across ranks and
-work moved between servers (serial and ping-pong nano-batches), against the float64 oracle of
+work moved between servers (serial, ping-pong nano-batches, and the call run as two interleaved nano-batches
+of layer-level ping-pong), against the float64 oracle of
 tests/oracle.py: outputs, dq, dk, dv per rank, and the sinks' gradient summed over ranks (each rank returns
 its server's share; data parallelism sums them). Models: tiny Gemma 2 and gpt-oss built from their configs
 (tests/test_attention_hf.py's ``tiny_model``) under ``attn_implementation="distca"`` against Transformers'
@@ -41,6 +42,7 @@ from transformers import AutoModelForCausalLM
 from hf_distca import DistCAConfig, core_attention, enable_distca, metrics, plan_core_attention
 from hf_distca.attention import distca_attention_forward
 from hf_distca.checkpointing import enable_remat_checkpointing
+from hf_distca.engine.interleave import run_interleaved
 from hf_distca.features import UnsupportedFeatureError
 from hf_distca.planning import attention_flops_per_pair
 
@@ -48,12 +50,15 @@ D, HQ, HKV = 8, 4, 2
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32}
 SERIAL = DistCAConfig(shard_tokens=8, tolerance=0.3, backend="reference")
 PING_PONG = DistCAConfig(shard_tokens=8, tolerance=0.3, backend="reference", ping_pong=True)
+# the call run twice as two interleaved nano-batches (layer-level ping-pong's nodes; gradients doubled)
+LAYERS = DistCAConfig(shard_tokens=8, tolerance=0.3, backend="reference", layer_ping_pong=True)
 ENGINE_CASES = [  # name, dtype, window, softcap, sinks, config
     ("softcap", "fp64", None, 1.5, False, SERIAL),
     ("softcap_window_ping_pong", "fp32", 16, 1.5, False, PING_PONG),
     ("sinks", "fp64", None, None, True, SERIAL),
     ("sinks_window_ping_pong", "fp32", 24, None, True, PING_PONG),
     ("sinks_softcap_window", "fp64", 16, 1.5, True, SERIAL),
+    ("sinks_softcap_window_layers", "fp64", 16, 1.5, True, LAYERS),
 ]
 MODEL_DOCS = [40, 25, 9]
 # rank 0: the head of document 0 and document 2; rank 1: the tail of document 0 (its windows reach across
@@ -80,16 +85,22 @@ def _engine_case(rank: int, world: int, case: tuple) -> dict:
     rows = torch.as_tensor(layout.rows(rank))
     q, k, v = (t[rows].clone().requires_grad_(True) for t in (q_all, k_all, v_all))
     sinks = _sinks(DTYPES[dtype]).requires_grad_(True) if with_sinks else None
-    out = core_attention(
-        q, k, v, layout.pieces[rank], config=config, window=window, softcap=softcap, sinks=sinks
-    )
-    (out * w_all[rows]).sum().backward()
+
+    def call():
+        return core_attention(
+            q, k, v, layout.pieces[rank], config=config, window=window, softcap=softcap, sinks=sinks
+        )
+
+    calls = 2 if config.layer_ping_pong else 1  # the same call as two interleaved nano-batches
+    outs = run_interleaved([call] * calls)
+    sum((out * w_all[rows]).sum() for out in outs).backward()
+    assert all(torch.equal(out, outs[0]) for out in outs)
     return {
-        "out": out.detach(),
-        "dq": q.grad,
-        "dk": k.grad,
-        "dv": v.grad,
-        "dsinks": None if sinks is None else sinks.grad,
+        "out": outs[0].detach(),
+        "dq": q.grad / calls,
+        "dk": k.grad / calls,
+        "dv": v.grad / calls,
+        "dsinks": None if sinks is None else sinks.grad / calls,
     }
 
 
