@@ -186,3 +186,20 @@ def test_attention_call_is_the_engines_order():
             assert parts == 1 if not config.ping_pong else parts > 1, (rank, config.ping_pong_split, parts)
             ops = sch.attention_call("fwd", 0, parts) + sch.attention_call("bwd", 0, parts)
             assert res["order"] == [sch.engine_stage(o) for o in ops], (rank, config.ping_pong, res["order"])
+
+
+def test_layer_ping_pong_mirrored_backward():
+    """'mirror': each nano-batch runs pre(l) backward, post(l - 1) backward and starts its next backward
+    dispatch before the next nano-batch waits for its own return (the forward's order mirrored)."""
+    ops = sch.layer_ping_pong(2, backward="mirror")
+    head = max(i for i, o in enumerate(ops) if o.name == "head")
+    short = [(o.kind[0], o.name, o.layer, "AB"[o.nano]) for o in ops[head + 1 :]]
+    assert short[:4] == [("c", "post_bwd", 1, "B"), ("s", "bwd.dispatch", 1, "B"),
+                         ("c", "post_bwd", 1, "A"), ("s", "bwd.dispatch", 1, "A")]  # fmt: skip
+    assert short[10:18] == [
+        ("w", "bwd.return", 1, "B"), ("c", "pre_bwd", 1, "B"), ("c", "post_bwd", 0, "B"), ("s", "bwd.dispatch", 0, "B"),
+        ("w", "bwd.return", 1, "A"), ("c", "pre_bwd", 1, "A"), ("c", "post_bwd", 0, "A"), ("s", "bwd.dispatch", 0, "A"),
+    ]  # fmt: skip
+    assert sorted(map(repr, ops)) == sorted(map(repr, sch.layer_ping_pong(2)))  # the same operations
+    with pytest.raises(ValueError, match="backward"):
+        sch.layer_ping_pong(2, backward="other")
