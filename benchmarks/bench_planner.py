@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
                 planned = plan(pieces)
                 seconds = time.perf_counter() - t0
                 priced = simulate.price_plan(planned, setting)
-                step = float(priced.linear.max() + priced.attention.max() + priced.comm)
+                step = priced.step_s  # the serial schedule, nothing overlapped
                 cut = len({p.doc_id for rank in pieces for p in rank if p.doc_start > 0})
                 row = [num_docs, fill, cut, planned.imbalance_before, planned.imbalance_after, planned.moves,
                        seconds, step, seconds / step, statistics.fmean(planned.bytes_sent) / 2**20,

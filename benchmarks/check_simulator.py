@@ -6,8 +6,9 @@ run trained (common.build_batches on the CPU: the same seeded document draw, the
 layout), plans each with DistCA's planner under the config bench_remat's engine ran
 (``DistCAConfig(backend=...)``, everything else default) and prices the plan with the simulator's model
 (simulate.price_plan: the torch_varlen kernel table, the linear non-attention fit, the NVLink all-to-all
-table, the command's layer count). Prediction of a step: slowest rank's linear work + slowest rank's attention
-+ every all-to-all phase (nothing overlapped), as simulate.simulate prices DistCA's engine; median over
+table, the command's layer count). Prediction of a step: the serial schedule (hf_distca.planning.schedule.serial, bench_remat runs without
+ping-pong: every rank waits for the slowest at each all-to-all, nothing overlapped) timed by
+simulate.price_plan as simulate.simulate prices DistCA's engine; median over
 the timed steps as bench_remat reports. Also the forward of core attention alone (all layers) against
 the table's 'core-attention forward alone' rows, which isolates the attention and communication part.
 
@@ -152,7 +153,8 @@ def plan_as_engine(all_pieces, model: sim.ModelShape, backend: str):
 @dataclass
 class Predicted:
     step_s: float
-    """Median over the timed steps of linear + attention + communication."""
+    """Median over the timed steps of the serial schedule's time (linear + attention + communication when
+    the slowest rank is slowest in every stage)."""
     linear_s: float
     attention_s: float
     comm_s: float
@@ -166,18 +168,19 @@ class Predicted:
 
 
 def predict(plans, setting: sim.Setting) -> Predicted:
-    """Price the timed steps' plans the way simulate.simulate prices DistCA's engine (no overlap)."""
+    """Price the timed steps' plans the way simulate.simulate prices DistCA's engine run serially (the
+    serial schedule of hf_distca.planning.schedule: bench_remat ran without ping-pong)."""
     parts, forward = [], []
     for plan in plans:
         mb = sim.price_plan(plan, setting)
-        parts.append((mb.linear.max(), mb.attention.max(), mb.comm, mb.bytes_sent.max() / 2**30))
+        parts.append((mb.linear.max(), mb.attention.max(), mb.comm, mb.bytes_sent.max() / 2**30, mb.step_s))
         fwd = [sum(setting.kernels.task_seconds(t.q_len, t.q_end)[0] for t in tasks) for tasks in plan.tasks]
         q, kv = sim.traffic(plan, setting.model.q_row_bytes, setting.model.kv_row_bytes)
         phases = sim.phases(q, kv, "remat")[:2]  # forward dispatch and return
         comm = sum(setting.links.phase_seconds(m) for m in phases)
         forward.append(setting.model.layers * (max(fwd) + comm))
     med = [statistics.median(x) for x in zip(*parts, strict=True)]
-    step = statistics.median(p[0] + p[1] + p[2] for p in parts)
+    step = statistics.median(p[4] for p in parts)
     first = plans[0]
     imbalance = tuple(max(x) / statistics.fmean(x) for x in (first.pairs_before, first.pairs_after))
     return Predicted(
