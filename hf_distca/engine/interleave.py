@@ -22,6 +22,7 @@ backward exchanges fly while the other nano-batch's layer backward runs.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -118,8 +119,6 @@ def attention_done(module: Any) -> None:
 def _thread_state() -> Callable[[], Any]:
     """A function that, called in another thread, enters the caller's grad mode, autocast settings and
     CUDA device and stream; returns the context to exit."""
-    import contextlib
-
     grad = torch.is_grad_enabled()
     autocasts = [
         (dev, torch.get_autocast_dtype(dev)) for dev in ("cuda", "cpu") if torch.is_autocast_enabled(dev)
