@@ -26,9 +26,11 @@ import torch
 from hf_distca.config import KERNEL_BACKENDS
 from hf_distca.kernels import cudnn_frontend, flash, reference, torch_varlen
 from hf_distca.kernels.common import PackedSeqs, UnsupportedFeatureError, check_backward_inputs, check_inputs
+from hf_distca.kernels.cudnn_frontend import CudnnOptions
 from hf_distca.kernels.reference import reference_varlen_attention
 
 __all__ = [
+    "CudnnOptions",
     "UnsupportedFeatureError",
     "attention_backward",
     "attention_forward",
@@ -47,9 +49,9 @@ class _Backend:
     cuda_half_only: bool
     """Runs only on CUDA tensors in float16/bfloat16."""
     forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    """(q, k, v, seqs, scale) -> (out, lse)."""
+    """(q, k, v, seqs, scale) -> (out, lse); cudnn also takes its CudnnOptions last."""
     backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    """(dout, q, k, v, out, lse, seqs, scale) -> (dq, dk, dv)."""
+    """(dout, q, k, v, out, lse, seqs, scale) -> (dq, dk, dv); cudnn also takes its CudnnOptions last."""
     missing: str
     """What to install when ``available()`` is False."""
     window: Callable[[], bool] = lambda: True
@@ -118,9 +120,25 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> s
     return backend
 
 
+def _options(name: str, cudnn_options: CudnnOptions | None) -> tuple[CudnnOptions, ...]:
+    """The extra arguments of backend ``name``'s forward and backward: the cudnn options, when given."""
+    if cudnn_options is None:
+        return ()
+    if name != "cudnn":
+        raise ValueError(f"cudnn_options apply to the cudnn backend only, not to {name!r}; drop them")
+    return (cudnn_options,)
+
+
 def _forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: PackedSeqs, scale: float, name: str
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seqs: PackedSeqs,
+    scale: float,
+    name: str,
+    cudnn_options: CudnnOptions | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    options = _options(name, cudnn_options)
     if seqs.window is not None and not _BACKENDS[name].window():
         raise UnsupportedFeatureError(
             f"kernel backend {name!r} cannot compute sliding-window attention here "
@@ -129,7 +147,7 @@ def _forward(
     if q.shape[0] == 0:  # no query rows: nothing to run (GPU kernels may refuse empty launches)
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         return q.new_empty(q.shape), torch.empty(0, q.shape[1], dtype=lse_dtype, device=q.device)
-    return _BACKENDS[name].forward(q, k, v, seqs, scale)
+    return _BACKENDS[name].forward(q, k, v, seqs, scale, *options)
 
 
 def _backward(
@@ -142,10 +160,12 @@ def _backward(
     seqs: PackedSeqs,
     scale: float,
     name: str,
+    cudnn_options: CudnnOptions | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    options = _options(name, cudnn_options)
     if q.shape[0] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    dq, dk, dv = _BACKENDS[name].backward(dout, q, k, v, out, lse, seqs, scale)
+    dq, dk, dv = _BACKENDS[name].backward(dout, q, k, v, out, lse, seqs, scale, *options)
     for i in range(seqs.num_seqs):
         if seqs.q_len(i) == 0 and seqs.k_len(i) > 0:  # keys nobody queries: zero whatever the kernel left
             dk[seqs.k_bounds[i] : seqs.k_bounds[i + 1]] = 0
@@ -165,6 +185,7 @@ def attention_forward(
     scale: float | None = None,
     backend: str = "auto",
     window: int | None = None,
+    cudnn_options: CudnnOptions | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal (bottom-right aligned) varlen attention forward; not differentiable.
 
@@ -173,11 +194,13 @@ def attention_forward(
     scale defaults to D ** -0.5; ``window``: the sliding window (None: full causal). Returns out (Tq, Hq, D)
     in q's dtype and lse (Tq, Hq), the natural-log log-sum-exp of the scaled scores, in float32 (float64
     for float64 inputs). Offsets on a GPU are read once on the host (one synchronisation); pass them on
-    the CPU to avoid it.
+    the CPU to avoid it. ``cudnn_options``: how the cudnn backend runs (None: its defaults; only when the
+    backend is cudnn).
     """
     seqs = check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window)
     name = resolve_backend(backend, q.device, q.dtype)
-    return _forward(q, k, v, seqs, q.shape[-1] ** -0.5 if scale is None else scale, name)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _forward(q, k, v, seqs, scale, name, cudnn_options)
 
 
 def attention_backward(
@@ -195,15 +218,17 @@ def attention_backward(
     scale: float | None = None,
     backend: str = "auto",
     window: int | None = None,
+    cudnn_options: CudnnOptions | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`attention_forward` from its inputs, its (out, lse) and dout; not differentiable.
 
     Returns dq like q and dk, dv like k, v (GQA: summed over each KV head's query group), in the inputs'
     dtypes. Keys of sequences without queries get zero gradients. ``out`` and ``lse`` must come from a
-    forward of the same inputs and ``window`` (any backend: all agree up to rounding).
+    forward of the same inputs and ``window`` (any backend: all agree up to rounding). ``cudnn_options``:
+    as in :func:`attention_forward`.
     """
     seqs = check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window)
     check_backward_inputs(dout, q, out, lse)
     name = resolve_backend(backend, q.device, q.dtype)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _backward(dout, q, k, v, out, lse, seqs, scale, name)
+    return _backward(dout, q, k, v, out, lse, seqs, scale, name, cudnn_options)
