@@ -47,7 +47,7 @@ except ImportError:  # run from a checkout without installing: the package sits 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import median_ms  # noqa: E402
+from common import median_ms, write_report  # noqa: E402
 
 from hf_distca.planning.cost import FWD_BWD_FLOP_RATIO as FWD_BWD_FACTOR  # noqa: E402
 from hf_distca.planning.cost import forward_flops_per_pair  # noqa: E402
@@ -325,12 +325,7 @@ def windows_main(args, command: str) -> int:
             )
             print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(text)
-        print(f"wrote {args.out}")
-    print(text)
+    write_report(text, args.out)
     return 0
 
 
@@ -473,12 +468,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
 
     text = "\n".join(lines + summary + ["", "## Details"] + detail + extra) + "\n"
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(text)
-        print(f"wrote {args.out}")
-    print(text)
+    write_report(text, args.out)
     return 0
 
 

@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import statistics
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -37,6 +38,16 @@ def init_distributed(cpu: bool, timeout_s: int = 300) -> tuple[int, int, object]
         dist.init_process_group("gloo" if cpu else "nccl", timeout=datetime.timedelta(seconds=timeout_s))
     rank = dist.get_rank() if dist.is_initialized() else 0
     return rank, world, dist.group.WORLD if dist.is_initialized() else None
+
+
+def init_nccl(script: str) -> tuple[int, int] | None:
+    """(rank, world) of this torchrun process on its local CUDA GPU, after starting an NCCL process group
+    over the world; None, after saying on stderr that ``script`` needs CUDA GPUs, without one."""
+    if select_device(cpu=False) is None:
+        print(f"{script} needs CUDA GPUs (run it with torchrun on a GPU machine)", file=sys.stderr)
+        return None
+    dist.init_process_group("nccl")
+    return dist.get_rank(), dist.get_world_size()
 
 
 def add_step_arguments(p: argparse.ArgumentParser, *, steps: int = 3) -> None:
@@ -270,6 +281,16 @@ def write_outputs(results: dict, args, world: int, config, render) -> str:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     return text
+
+
+def write_report(text: str, path: str | None) -> None:
+    """Write ``text`` to ``path`` (when given; its folder is created) and print it."""
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(text)
+        print(f"wrote {path}")
+    print(text)
 
 
 def sync(device: torch.device) -> None:
