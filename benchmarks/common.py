@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
+import importlib
 import json
 import os
 import statistics
@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 import hf_distca
 from hf_distca import metrics
 from hf_distca.data import DistCABatches, documents_with_lengths
+from hf_distca.data.baselines import LAYOUTS
 from hf_distca.data.rebatch import LayoutFn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,6 +51,17 @@ def init_nccl(script: str) -> tuple[int, int] | None:
     return dist.get_rank(), dist.get_world_size()
 
 
+def add_model_arguments(p: argparse.ArgumentParser, modes: tuple[str, ...]) -> None:
+    """The options of the model-step benchmarks: --model, --layers, --doc-lengths (repeatable), --modes (a
+    comma-separated subset of ``modes``)."""
+    p.add_argument("--model", default="llama3-8b-shaped", help="a built-in model of the recipe")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument(
+        "--doc-lengths", action="append", default=None, help="'mix' or [name=]path.json (repeatable)"
+    )
+    p.add_argument("--modes", default=",".join(modes), help="comma-separated subset of " + ",".join(modes))
+
+
 def add_step_arguments(p: argparse.ArgumentParser, *, steps: int = 3) -> None:
     """The options of the timed training steps: --warmup, --steps, --loss-chunk, --seed."""
     p.add_argument("--warmup", type=int, default=1)
@@ -58,13 +70,17 @@ def add_step_arguments(p: argparse.ArgumentParser, *, steps: int = 3) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+def load_recipe():
+    """recipes/finetune_long_docs.py as a module (the recipes are scripts: imported from their folder)."""
+    recipes = os.path.join(ROOT, "recipes")
+    if recipes not in sys.path:
+        sys.path.insert(0, recipes)
+    return importlib.import_module("finetune_long_docs")
+
+
 def recipe_model_shape(name: str) -> dict:
-    spec = importlib.util.spec_from_file_location(
-        "recipe", os.path.join(ROOT, "recipes", "finetune_long_docs.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return dict(module.BUILTIN_MODELS[name])
+    """The config fields of one of the recipe's built-in models."""
+    return dict(load_recipe().BUILTIN_MODELS[name])
 
 
 def long_document_mix(seed: int) -> list[int]:
@@ -206,6 +222,25 @@ def build_batches(
         if len(batches) == count:
             break
     return batches
+
+
+def step_batches(
+    sample: list[int],
+    tokens_per_rank: int,
+    args,
+    *,
+    rank: int,
+    world: int,
+    device: torch.device,
+    extra: int = 0,
+) -> list[dict]:
+    """:func:`build_batches` for a benchmark's timed steps: ``extra + args.warmup + args.steps`` micro-batches,
+    seeded by ``args.seed``, laid out by ``args.layout`` (a name in hf_distca.data.baselines.LAYOUTS)."""
+    count = extra + args.warmup + args.steps
+    layout = LAYOUTS[args.layout]
+    return build_batches(
+        sample, tokens_per_rank, count, rank=rank, world=world, seed=args.seed, layout=layout, device=device
+    )
 
 
 def timed_steps(step, batches, warmup: int, device: torch.device) -> dict:

@@ -269,29 +269,34 @@ def _finish(graph) -> int:
     return graph.get_workspace_size()
 
 
+def _sdpa_arguments(g, cudnn, io, dims: tuple[int, ...], scale: float, mask: str, window: int | None) -> dict:
+    """What the forward and backward sdpa nodes share: q (B, Hq, S_q, D), k and v (B, Hkv, S_kv, D) as ragged
+    views of packed (T, H, D) tensors, the per-sequence lengths, the scale and the mask."""
+    b, hq, hk, d, s_q, s_kv = dims
+    i64, i32 = cudnn.data_type.INT64, cudnn.data_type.INT32
+    operands = {}
+    for name, uid, ragged, heads, seqlen in (
+        ("q", _UID.Q, _UID.RAGGED_Q, hq, s_q),
+        ("k", _UID.K, _UID.RAGGED_K, hk, s_kv),
+        ("v", _UID.V, _UID.RAGGED_V, hk, s_kv),
+    ):
+        t = g.tensor(
+            name=name, dim=[b, heads, seqlen, d], stride=_thd_stride(seqlen, heads, d), data_type=io, uid=uid
+        )
+        t.set_ragged_offset(_column(g, cudnn, f"ragged_{name}", b + 1, ragged, i64))
+        operands[name] = t
+    operands["seq_len_q"] = _column(g, cudnn, "seq_len_q", b, _UID.SEQ_LEN_Q, i32)
+    operands["seq_len_kv"] = _column(g, cudnn, "seq_len_kv", b, _UID.SEQ_LEN_KV, i32)
+    return {**operands, "attn_scale": scale, "use_padding_mask": True, **_mask_arguments(cudnn, mask, window)}
+
+
 def _forward_graph(key: tuple, handle):
     cudnn = _cudnn()
     dtype, b, hq, hk, d, s_q, s_kv, mask, scale, window = key[1:11]
     g, io = _new_graph(cudnn, handle, dtype)
-    i64, i32 = cudnn.data_type.INT64, cudnn.data_type.INT32
-    q = g.tensor(name="q", dim=[b, hq, s_q, d], stride=_thd_stride(s_q, hq, d), data_type=io, uid=_UID.Q)
-    k = g.tensor(name="k", dim=[b, hk, s_kv, d], stride=_thd_stride(s_kv, hk, d), data_type=io, uid=_UID.K)
-    v = g.tensor(name="v", dim=[b, hk, s_kv, d], stride=_thd_stride(s_kv, hk, d), data_type=io, uid=_UID.V)
-    q.set_ragged_offset(_column(g, cudnn, "ragged_q", b + 1, _UID.RAGGED_Q, i64))
-    k.set_ragged_offset(_column(g, cudnn, "ragged_k", b + 1, _UID.RAGGED_K, i64))
-    v.set_ragged_offset(_column(g, cudnn, "ragged_v", b + 1, _UID.RAGGED_V, i64))
-    o, stats = g.sdpa(
-        name="sdpa_fwd",
-        q=q,
-        k=k,
-        v=v,
-        generate_stats=True,
-        attn_scale=scale,
-        use_padding_mask=True,
-        seq_len_q=_column(g, cudnn, "seq_len_q", b, _UID.SEQ_LEN_Q, i32),
-        seq_len_kv=_column(g, cudnn, "seq_len_kv", b, _UID.SEQ_LEN_KV, i32),
-        **_mask_arguments(cudnn, mask, window),
-    )
+    i64 = cudnn.data_type.INT64
+    shared = _sdpa_arguments(g, cudnn, io, (b, hq, hk, d, s_q, s_kv), scale, mask, window)
+    o, stats = g.sdpa(name="sdpa_fwd", generate_stats=True, **shared)
     o.set_uid(_UID.O).set_output(True).set_dim([b, hq, s_q, d]).set_stride(_thd_stride(s_q, hq, d))
     o.set_data_type(io)
     o.set_ragged_offset(_column(g, cudnn, "ragged_o", b + 1, _UID.RAGGED_O, i64))
@@ -307,53 +312,34 @@ def _backward_graph(key: tuple, handle, ragged_stats: bool):
     cudnn = _cudnn()
     dtype, b, hq, hk, d, s_q, s_kv, mask, scale, total_q, total_kv, window = key[1:13]
     g, io = _new_graph(cudnn, handle, dtype)
-    i64, i32 = cudnn.data_type.INT64, cudnn.data_type.INT32
+    i64 = cudnn.data_type.INT64
     q_stride, kv_stride = _thd_stride(s_q, hq, d), _thd_stride(s_kv, hk, d)
-    q = g.tensor(name="q", dim=[b, hq, s_q, d], stride=q_stride, data_type=io, uid=_UID.Q)
-    k = g.tensor(name="k", dim=[b, hk, s_kv, d], stride=kv_stride, data_type=io, uid=_UID.K)
-    v = g.tensor(name="v", dim=[b, hk, s_kv, d], stride=kv_stride, data_type=io, uid=_UID.V)
+    shared = _sdpa_arguments(g, cudnn, io, (b, hq, hk, d, s_q, s_kv), scale, mask, window)
     o = g.tensor(name="o", dim=[b, hq, s_q, d], stride=q_stride, data_type=io, uid=_UID.O)
     do = g.tensor(name="dO", dim=[b, hq, s_q, d], stride=q_stride, data_type=io, uid=_UID.DO)
-    if ragged_stats:
-        stats = g.tensor(
-            name="stats",
-            dim=[b, hq, s_q, 1],
-            stride=_thd_stride(s_q, hq, 1),
-            data_type=cudnn.data_type.FLOAT,
-            uid=_UID.STATS,
-        )
-        stats.set_ragged_offset(_column(g, cudnn, "ragged_stats", b + 1, _UID.RAGGED_STATS, i64))
-    else:  # padded (B, H, S_q, 1)
-        stats = g.tensor(
-            name="stats",
-            dim=[b, hq, s_q, 1],
-            stride=[hq * s_q, s_q, 1, 1],
-            data_type=cudnn.data_type.FLOAT,
-            uid=_UID.STATS,
-        )
-    ragged_q = _column(g, cudnn, "ragged_q", b + 1, _UID.RAGGED_Q, i64)
     ragged_o = _column(g, cudnn, "ragged_o", b + 1, _UID.RAGGED_O, i64)
-    q.set_ragged_offset(ragged_q)
     o.set_ragged_offset(ragged_o)
     do.set_ragged_offset(ragged_o)
-    k.set_ragged_offset(_column(g, cudnn, "ragged_k", b + 1, _UID.RAGGED_K, i64))
-    v.set_ragged_offset(_column(g, cudnn, "ragged_v", b + 1, _UID.RAGGED_V, i64))
+    # the log-sum-exp: packed (T, H) with ragged offsets, or padded (B, H, S_q, 1)
+    stats_stride = _thd_stride(s_q, hq, 1) if ragged_stats else [hq * s_q, s_q, 1, 1]
+    stats = g.tensor(
+        name="stats",
+        dim=[b, hq, s_q, 1],
+        stride=stats_stride,
+        data_type=cudnn.data_type.FLOAT,
+        uid=_UID.STATS,
+    )
+    if ragged_stats:
+        stats.set_ragged_offset(_column(g, cudnn, "ragged_stats", b + 1, _UID.RAGGED_STATS, i64))
     dq, dk, dv = g.sdpa_backward(
         name="sdpa_bwd",
-        q=q,
-        k=k,
-        v=v,
         o=o,
         dO=do,
         stats=stats,
-        attn_scale=scale,
-        use_padding_mask=True,
-        seq_len_q=_column(g, cudnn, "seq_len_q", b, _UID.SEQ_LEN_Q, i32),
-        seq_len_kv=_column(g, cudnn, "seq_len_kv", b, _UID.SEQ_LEN_KV, i32),
         max_total_seq_len_q=total_q,
         max_total_seq_len_kv=total_kv,
         use_deterministic_algorithm=False,
-        **_mask_arguments(cudnn, mask, window),
+        **shared,
     )
     for t, uid, dims, stride, ragged in (
         (dq, _UID.DQ, [b, hq, s_q, d], q_stride, _UID.RAGGED_DQ),
@@ -452,6 +438,12 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _execute(graph, workspace_size: int, handle, buffers: dict, device: torch.device) -> None:
+    """Run a built graph on ``buffers`` (uid -> tensor) with a fresh workspace."""
+    workspace = torch.empty(max(workspace_size, 1), dtype=torch.uint8, device=device)
+    graph.execute(list(buffers.values()), workspace, handle=handle, tensor_uids=[int(u) for u in buffers])
+
+
 def launch_forward(
     call: KernelCall,
     q: torch.Tensor,
@@ -471,7 +463,6 @@ def launch_forward(
     key = ("forward", q.dtype, b, hq, hk, d, s_q, s_kv, call.mask, float(scale), call.window, q.device)
     graph, workspace_size = _cached_forward_graph(key, handle)
     len_q, len_kv, off_q, off_k, off_o, off_stats, _ = _metadata(call, b, hq, hk, d, q.device)
-    workspace = torch.empty(max(workspace_size, 1), dtype=torch.uint8, device=q.device)
     buffers = {
         _UID.Q: q,
         _UID.K: k,
@@ -486,7 +477,7 @@ def launch_forward(
         _UID.RAGGED_O: off_o,
         _UID.RAGGED_STATS: off_stats,
     }
-    graph.execute(list(buffers.values()), workspace, handle=handle, tensor_uids=[int(u) for u in buffers])
+    _execute(graph, workspace_size, handle, buffers, q.device)
 
 
 def launch_backward(
@@ -541,7 +532,6 @@ def launch_backward(
         seq, pos, row = (t.to(q.device, non_blocking=True) for t in (seq, pos, row))
         stats = torch.zeros(b, hq, s_q, dtype=torch.float32, device=q.device)
         stats[seq, :, pos] = lse[row]
-    workspace = torch.empty(max(workspace_size, 1), dtype=torch.uint8, device=q.device)
     buffers = {
         _UID.Q: q,
         _UID.K: k,
@@ -564,7 +554,7 @@ def launch_backward(
     }
     if ragged:
         buffers[_UID.RAGGED_STATS] = off_stats
-    graph.execute(list(buffers.values()), workspace, handle=handle, tensor_uids=[int(u) for u in buffers])
+    _execute(graph, workspace_size, handle, buffers, q.device)
 
 
 # ---------------------------------------------------------------------------------------------------------
