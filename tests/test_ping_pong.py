@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_distributed
+from distributed import check_cases, run_distributed
 from engine_bytes import exchange_bytes, nonzero, phase_counts
 from oracle import TOL, Layout, assert_close, named_layouts, oracle_with_grads, random_qkv
 from test_engine_remat import LAYERS, MODES, assert_grads_close, check_modes, run_model_steps
@@ -450,22 +450,13 @@ def test_ping_pong_engine_distributed(world):
     """Every case of this module that needs processes, in one spawn per world size."""
     cases = _cases(world)
     results = run_distributed(_worker, world, cases, timeout=SPAWN_TIMEOUT)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # like the ranks: the nano-batch replay then runs the kernel with the same bits
-    summaries = []
-    try:
-        for i, case in enumerate(cases):
-            per_rank = [results[r][i] for r in range(world)]
-            if case["kind"] == "attention":
-                summaries.append(_check_attention(case, per_rank, world))
-            elif case["kind"] == "schedule":
-                _check_schedule(case, per_rank)
-            elif case["kind"] == "signal":
-                _check_signal(per_rank, world)
-            else:
-                _check_model(per_rank, world)
-    finally:
-        torch.set_num_threads(threads)
+    checks = {
+        "attention": lambda case, per_rank: _check_attention(case, per_rank, world),
+        "schedule": lambda case, per_rank: _check_schedule(case, per_rank),
+        "signal": lambda case, per_rank: _check_signal(per_rank, world),
+        "model": lambda case, per_rank: _check_model(per_rank, world),
+    }
+    summaries = check_cases(cases, results, checks)["attention"]
     # ping-pong really ran on most layouts, including documents cut over ranks and the empty rank
     for split in ("local_first", "halves"):
         ran = {s["name"] for s in summaries if s["communicates"] and s["split"] == split}
