@@ -32,12 +32,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
     LossModel,
     add_step_arguments,
-    build_batches,
     build_model,
     init_distributed,
     load_lengths,
     select_device,
     set_mode,
+    step_batches,
     timed_steps,
     write_outputs,
 )
@@ -92,8 +92,7 @@ def main() -> int:
     device, dtype = selected
     rank, world, group = init_distributed(args.cpu)
     name, sample = load_lengths(args.doc_lengths, args.seed)
-    batches = build_batches(sample, args.tokens_per_rank, 1 + args.warmup + args.steps, rank=rank, world=world,
-                            seed=args.seed, layout=LAYOUTS[args.layout], device=device)  # fmt: skip
+    batches = step_batches(sample, args.tokens_per_rank, args, rank=rank, world=world, device=device, extra=1)
     results: dict = {name: {"modes": {}}}
     for mode in MODES:
         lm = build_model(args.model, args.layers, args.seed, device, dtype)  # the same initial weights

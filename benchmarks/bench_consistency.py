@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import median_ms  # noqa: E402
+from common import init_nccl, median_ms  # noqa: E402
 
 from hf_distca import DistCAConfig  # noqa: E402
 from hf_distca.data.rebatch import layout_pieces  # noqa: E402
@@ -86,13 +86,10 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_consistency.py needs CUDA GPUs", file=sys.stderr)
+    started = init_nccl("bench_consistency.py")
+    if started is None:
         return 2
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = started
     sample = None
     if args.doc_lengths:
         with open(args.doc_lengths) as f:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import median_ms  # noqa: E402
+from common import init_nccl, median_ms  # noqa: E402
 
 from hf_distca import DistCAConfig, core_attention, local_attention, metrics  # noqa: E402
 from hf_distca.engine import clear_plan_cache  # noqa: E402
@@ -59,13 +59,10 @@ def main() -> int:
     p.add_argument("--tolerance", type=float, default=0.1)
     p.add_argument("--out", default=None, help="markdown file for the results table (rank 0 writes it)")
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_engine.py needs CUDA GPUs (run it with torchrun on a GPU machine)", file=sys.stderr)
+    started = init_nccl("bench_engine.py")
+    if started is None:
         return 2
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = started
     layout = skewed_layout(world, args.long_doc, args.short_doc)
     pieces = layout[rank]
     tokens = sum(n for _, _, n in pieces)

@@ -12,7 +12,8 @@ interface (attention_forward, then attention_backward) with offsets on the host.
 TFLOP/s use the causal convention: forward = 4 x Hq x D per visible (query, key) pair,
 forward+backward = 3.5 x forward. Peak memory is the most allocated during one forward+backward
 beyond the inputs (outputs, lse, gradients and workspaces included). Also measured: the cost of cuDNN
-plan builds (first call, a new shape) and of rounding plan shapes up (``bucket_shapes`` off vs on).
+plan builds (first call, a new shape) and of rounding plan shapes up (``CudnnOptions.bucket_shapes``
+off vs on).
 
     python benchmarks/bench_kernels.py --doclens prolong.json --out benchmarks/results/kernels.md
 
@@ -46,7 +47,7 @@ except ImportError:  # run from a checkout without installing: the package sits 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import median_ms  # noqa: E402
+from common import median_ms, write_report  # noqa: E402
 
 from hf_distca.planning.cost import FWD_BWD_FLOP_RATIO as FWD_BWD_FACTOR  # noqa: E402
 from hf_distca.planning.cost import forward_flops_per_pair  # noqa: E402
@@ -160,13 +161,15 @@ def workloads(args: argparse.Namespace) -> list[tuple[str, list[int], list[int]]
     return rows
 
 
-def set_variant(variant: str) -> str:
-    from hf_distca.kernels import cudnn_frontend
+def variant_kwargs(variant: str, bucket_shapes: bool = True) -> dict:
+    """attention_forward/attention_backward's keyword arguments that run ``variant`` ("cudnn:<strategy>":
+    the cudnn backend with that suffix strategy; ``bucket_shapes`` applies to those only)."""
+    from hf_distca.kernels import CudnnOptions
 
     backend, _, strategy = variant.partition(":")
-    if strategy:
-        cudnn_frontend.suffix_strategy = strategy
-    return backend
+    if not strategy:
+        return {"backend": backend}
+    return {"backend": backend, "cudnn_options": CudnnOptions(strategy, bucket_shapes=bucket_shapes)}
 
 
 def make_inputs(q_lens, k_lens, args, seed=0):
@@ -181,18 +184,18 @@ def make_inputs(q_lens, k_lens, args, seed=0):
     return q, k, v, dout, (cu_q, cu_k, max(q_lens), max(k_lens))
 
 
-def bench_one(variant: str, q_lens, k_lens, args, inputs, reference=None) -> dict:
+def bench_one(variant: str, q_lens, k_lens, args, inputs, reference=None, bucket_shapes=True) -> dict:
     from hf_distca.kernels import attention_backward, attention_forward
 
-    backend = set_variant(variant)
+    run = variant_kwargs(variant, bucket_shapes)
     q, k, v, dout, kargs = inputs
 
     def fwd() -> tuple[torch.Tensor, torch.Tensor]:
-        return attention_forward(q, k, v, *kargs, backend=backend)
+        return attention_forward(q, k, v, *kargs, **run)
 
     def fwd_bwd():
         out, lse = fwd()
-        return out, lse, attention_backward(dout, q, k, v, out, lse, *kargs, backend=backend)
+        return out, lse, attention_backward(dout, q, k, v, out, lse, *kargs, **run)
 
     torch.cuda.synchronize()
     result = fwd_bwd()  # also builds plans
@@ -294,14 +297,14 @@ def windows_main(args, command: str) -> int:
     for window in [None, *args.windows]:
         pairs = visible_pairs(n, n, window)
         for variant in variants:
-            backend = set_variant(variant)
+            run = variant_kwargs(variant)
 
-            def fwd(backend=backend, window=window):
-                return attention_forward(q, k, v, *kargs, backend=backend, window=window)
+            def fwd(run=run, window=window):
+                return attention_forward(q, k, v, *kargs, window=window, **run)
 
-            def fwd_bwd(fwd=fwd, backend=backend, window=window):
+            def fwd_bwd(fwd=fwd, run=run, window=window):
                 out, lse = fwd()
-                attention_backward(dout, q, k, v, out, lse, *kargs, backend=backend, window=window)
+                attention_backward(dout, q, k, v, out, lse, *kargs, window=window, **run)
 
             label = "causal" if window is None else str(window)
             try:
@@ -322,12 +325,7 @@ def windows_main(args, command: str) -> int:
             )
             print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(text)
-        print(f"wrote {args.out}")
-    print(text)
+    write_report(text, args.out)
     return 0
 
 
@@ -457,28 +455,20 @@ def main(argv: list[str] | None = None) -> int:
             cells = []
             for variant in (v for v in variants if v.startswith("cudnn")):
                 pair = []
-                for exact in (True, False):
-                    cudnn_frontend.bucket_shapes = not exact
+                for bucket_shapes in (False, True):  # exact shapes, then bucketed
                     try:
-                        pair.append(
-                            f"{bench_one(variant, q_lens, k_lens, args, inputs)['fwd_bwd_tflops']:.0f}"
-                        )
+                        r = bench_one(variant, q_lens, k_lens, args, inputs, bucket_shapes=bucket_shapes)
+                        pair.append(f"{r['fwd_bwd_tflops']:.0f}")
                     except Exception as err:
                         traceback.print_exc()
                         pair.append(f"error: {type(err).__name__}")
-                cudnn_frontend.bucket_shapes = True
                 cells.append(" / ".join(pair))
             extra.append(f"| {name} | " + " | ".join(cells) + " |")
             del inputs
             torch.cuda.empty_cache()
 
     text = "\n".join(lines + summary + ["", "## Details"] + detail + extra) + "\n"
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(text)
-        print(f"wrote {args.out}")
-    print(text)
+    write_report(text, args.out)
     return 0
 
 

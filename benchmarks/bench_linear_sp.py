@@ -119,6 +119,20 @@ def random_inputs(kind: str, total: int, heads: int, dk: int, dv: int, seed: int
 
 
 # ------------------------------------------------------------------------------------------- sections
+def sp_attention(x: dict, layout, rank: int, config: LinearSPConfig) -> torch.Tensor:
+    """``linear_attention`` of this rank's rows ``x`` (q, k, v, g: log decay, beta) of the ranks' ``layout``."""
+    return linear_attention(
+        x["q"],
+        x["k"],
+        x["v"],
+        layout[rank],
+        log_decay=x["g"],
+        beta=x["beta"],
+        all_pieces=layout,
+        config=config,
+    )
+
+
 def section_check(ctx) -> tuple[str, dict]:
     rank, device, smoke = ctx["rank"], ctx["device"], ctx["smoke"]
     world = dist.get_world_size()
@@ -157,16 +171,8 @@ def section_check(ctx) -> tuple[str, dict]:
         for n in ("q", "k", "v", "beta"):
             if local[n] is not None:
                 local[n].requires_grad_(True)
-        out = linear_attention(
-            local["q"],
-            local["k"],
-            local["v"],
-            layout[rank],
-            log_decay=local["g"],
-            beta=local["beta"],
-            all_pieces=layout,
-            config=LinearSPConfig(backend=ctx["backend"], scan="all_scan", num_blocks=4),
-        )
+        config = LinearSPConfig(backend=ctx["backend"], scan="all_scan", num_blocks=4)
+        out = sp_attention(local, layout, rank, config)
         (out * local["w"]).sum().backward()
         errs = {"out": rel_err(out.detach().cpu(), ref.detach()[rows], device)}
         for n in ("q", "k", "v", "beta"):
@@ -343,17 +349,7 @@ def section_layer(ctx) -> tuple[str, dict]:
                 }
 
                 def step(leaves=leaves, layout=layout, config=config):
-                    out = linear_attention(
-                        leaves["q"],
-                        leaves["k"],
-                        leaves["v"],
-                        layout[rank],
-                        log_decay=leaves["g"],
-                        beta=leaves["beta"],
-                        all_pieces=layout,
-                        config=config,
-                    )
-                    out.backward(leaves["w"])
+                    sp_attention(leaves, layout, rank, config).backward(leaves["w"])
 
                 ms = median_ms(step, 3 if smoke else 10, 2, device=device)
                 rows.append([kind, name, scan, f"{ms:.2f}"])

@@ -56,14 +56,15 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
     LossModel,
+    add_model_arguments,
     add_step_arguments,
     barrier,
-    build_batches,
     build_model,
     load_lengths,
     long_share,
     select_device,
     set_mode,
+    step_batches,
     timed_steps,
 )
 from common import write_outputs as write_results  # noqa: E402
@@ -228,13 +229,8 @@ def summarize_trace(trace: dict) -> dict:
 # ------------------------------------------------------------------------------------------ the run
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="llama3-8b-shaped", help="a built-in model of the recipe")
-    p.add_argument("--layers", type=int, default=8)
+    add_model_arguments(p, MODES)
     p.add_argument("--tokens-per-rank", default="32768,65536", help="comma-separated sizes")
-    p.add_argument(
-        "--doc-lengths", action="append", default=None, help="'mix' or [name=]path.json (repeatable)"
-    )
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
     p.add_argument(
         "--profile",
         default="ping_pong,ping_pong_halves,serial",
@@ -298,16 +294,8 @@ def main(argv=None) -> int:
         for tokens in sizes:
             key = f"{name} / {tokens // 1024}K" if tokens >= 1024 else f"{name} / {tokens}"
             batches = {  # by nano-batches per micro-batch: the same documents and micro-batches in every mode
-                nano: build_batches(
-                    sample,
-                    tokens,
-                    args.warmup + args.steps,
-                    rank=rank,
-                    world=world,
-                    seed=args.seed,
-                    layout=LAYOUTS[args.layout],
-                    device=DEVICE,
-                    nano_batches=nano,
+                nano: step_batches(
+                    sample, tokens, args, rank=rank, world=world, device=DEVICE, nano_batches=nano
                 )
                 for nano in sorted({_nano_batches(m) for m in modes} | {1})
             }

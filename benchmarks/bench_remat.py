@@ -38,20 +38,6 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-from common import (  # noqa: E402
-    LossModel,
-    add_step_arguments,
-    barrier,
-    build_batches,
-    build_model,
-    init_distributed,
-    load_lengths,
-    long_share,
-    max_over_ranks,
-    run_mode,
-    select_device,
-    set_mode,
-)
 
 from hf_distca import DistCAConfig, core_attention, enable_distca  # noqa: E402
 from hf_distca.data.baselines import LAYOUTS  # noqa: E402
@@ -74,27 +60,22 @@ def attention_forward_seconds(
         layout = batch["distca_layout"]
         with torch.no_grad():
             core_attention(q, kv, kv, layout.pieces, group=group, config=config, all_pieces=layout.all_pieces)
-            barrier(DEVICE)
+            common.barrier(DEVICE)
             start = time.perf_counter()
             for _ in range(layers):
                 core_attention(
                     q, kv, kv, layout.pieces, group=group, config=config, all_pieces=layout.all_pieces
                 )
-            barrier(DEVICE)
-        times.append(max_over_ranks([time.perf_counter() - start], DEVICE)[0])
+            common.barrier(DEVICE)
+        times.append(common.max_over_ranks([time.perf_counter() - start], DEVICE)[0])
     return statistics.median(times)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """bench_remat's options (also read by check_simulator.py from a results table's command)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="llama3-8b-shaped", help="a built-in model of the recipe")
-    p.add_argument("--layers", type=int, default=8)
+    common.add_model_arguments(p, MODES)
     p.add_argument("--tokens-per-rank", type=int, default=65536)
-    p.add_argument(
-        "--doc-lengths", action="append", default=None, help="'mix' or [name=]path.json (repeatable)"
-    )
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
     p.add_argument(
         "--backends",
         default="auto",
@@ -102,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
         "and is labelled 'mode (backend)'",
     )
     p.add_argument("--skip-none-for", default="", help="comma-separated sample names where 'none' is not run")
-    add_step_arguments(p)
+    common.add_step_arguments(p)
     p.add_argument(
         "--layout",
         choices=sorted(LAYOUTS),
@@ -123,18 +104,18 @@ def main() -> int:
     p = build_parser()
     args = p.parse_args()
     global DEVICE, DTYPE
-    selected = select_device(args.cpu)
+    selected = common.select_device(args.cpu)
     if selected is None:
         print("bench_remat.py needs CUDA GPUs (or --cpu for a smoke test)", file=sys.stderr)
         return 2
     DEVICE, DTYPE = selected
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    rank, world, group = init_distributed(args.cpu, timeout_s=180)
+    rank, world, group = common.init_distributed(args.cpu, timeout_s=180)
 
-    lm = build_model(args.model, args.layers, args.seed, DEVICE, DTYPE)
+    lm = common.build_model(args.model, args.layers, args.seed, DEVICE, DTYPE)
     config = lm.config
     backends = [b for b in args.backends.split(",") if b]
-    model = LossModel(lm, args.loss_chunk)
+    model = common.LossModel(lm, args.loss_chunk)
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=None if args.cpu else [local_rank], gradient_as_bucket_view=True
@@ -142,21 +123,14 @@ def main() -> int:
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
     modes = [m for m in args.modes.split(",") if m]
     skip_none = {s for s in args.skip_none_for.split(",") if s}
-    samples = [load_lengths(s, args.seed) for s in (args.doc_lengths or ["mix"])]
+    samples = [common.load_lengths(s, args.seed) for s in (args.doc_lengths or ["mix"])]
     head_dim = config.hidden_size // config.num_attention_heads
     results = {}
     for name, sample in samples:
-        batches = build_batches(
-            sample,
-            args.tokens_per_rank,
-            args.warmup + args.steps,
-            rank=rank,
-            world=world,
-            seed=args.seed,
-            layout=LAYOUTS[args.layout],
-            device=DEVICE,
+        batches = common.step_batches(
+            sample, args.tokens_per_rank, args, rank=rank, world=world, device=DEVICE
         )
-        results[name] = {"long_share": long_share(batches), "modes": {}}
+        results[name] = {"long_share": common.long_share(batches), "modes": {}}
         for backend in backends:
             enable_distca(lm, group=group, config=DistCAConfig(backend=backend))
             for mode in modes:
@@ -165,7 +139,9 @@ def main() -> int:
                     results[name]["modes"][key] = {"skipped": True}
                     continue
                 try:
-                    results[name]["modes"][key] = run_mode(model, lm, opt, batches, mode, args.warmup, DEVICE)
+                    results[name]["modes"][key] = common.run_mode(
+                        model, lm, opt, batches, mode, args.warmup, DEVICE
+                    )
                 except torch.cuda.OutOfMemoryError:
                     if world > 1:
                         raise  # the other ranks may be inside a collective: stop the job
@@ -178,7 +154,7 @@ def main() -> int:
                     write_outputs(
                         results, args, world, config
                     )  # after every mode: a later failure keeps these
-        set_mode(lm, "none")
+        common.set_mode(lm, "none")
         lm.eval()
         results[name]["attn_fwd_s"] = attention_forward_seconds(
             batches[args.warmup :],

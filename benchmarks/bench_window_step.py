@@ -158,11 +158,7 @@ def main() -> int:
                 f"| {mode} | {r['step_s']:.3f} | {tokens:,.0f} | {r['peak_gib']:.1f} | {r['sent_gib']:.3f} | {vs} |"
             )
         text = "\n".join(lines) + "\n"
-        if args.out:
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            with open(args.out, "w") as f:
-                f.write(text)
-        print(text)
+        common.write_report(text, args.out)
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0

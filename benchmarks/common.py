@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
+import importlib
 import json
 import os
 import statistics
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 import hf_distca
 from hf_distca import metrics
 from hf_distca.data import DistCABatches, documents_with_lengths
+from hf_distca.data.baselines import LAYOUTS
 from hf_distca.data.nano import NANO_BATCHES
 from hf_distca.data.rebatch import LayoutFn
 
@@ -40,6 +42,27 @@ def init_distributed(cpu: bool, timeout_s: int = 300) -> tuple[int, int, object]
     return rank, world, dist.group.WORLD if dist.is_initialized() else None
 
 
+def init_nccl(script: str) -> tuple[int, int] | None:
+    """(rank, world) of this torchrun process on its local CUDA GPU, after starting an NCCL process group
+    over the world; None, after saying on stderr that ``script`` needs CUDA GPUs, without one."""
+    if select_device(cpu=False) is None:
+        print(f"{script} needs CUDA GPUs (run it with torchrun on a GPU machine)", file=sys.stderr)
+        return None
+    dist.init_process_group("nccl")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def add_model_arguments(p: argparse.ArgumentParser, modes: tuple[str, ...]) -> None:
+    """The options of the model-step benchmarks: --model, --layers, --doc-lengths (repeatable), --modes (a
+    comma-separated subset of ``modes``)."""
+    p.add_argument("--model", default="llama3-8b-shaped", help="a built-in model of the recipe")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument(
+        "--doc-lengths", action="append", default=None, help="'mix' or [name=]path.json (repeatable)"
+    )
+    p.add_argument("--modes", default=",".join(modes), help="comma-separated subset of " + ",".join(modes))
+
+
 def add_step_arguments(p: argparse.ArgumentParser, *, steps: int = 3) -> None:
     """The options of the timed training steps: --warmup, --steps, --loss-chunk, --seed."""
     p.add_argument("--warmup", type=int, default=1)
@@ -48,13 +71,17 @@ def add_step_arguments(p: argparse.ArgumentParser, *, steps: int = 3) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+def load_recipe():
+    """recipes/finetune_long_docs.py as a module (the recipes are scripts: imported from their folder)."""
+    recipes = os.path.join(ROOT, "recipes")
+    if recipes not in sys.path:
+        sys.path.insert(0, recipes)
+    return importlib.import_module("finetune_long_docs")
+
+
 def recipe_model_shape(name: str) -> dict:
-    spec = importlib.util.spec_from_file_location(
-        "recipe", os.path.join(ROOT, "recipes", "finetune_long_docs.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return dict(module.BUILTIN_MODELS[name])
+    """The config fields of one of the recipe's built-in models."""
+    return dict(load_recipe().BUILTIN_MODELS[name])
 
 
 def long_document_mix(seed: int) -> list[int]:
@@ -215,6 +242,28 @@ def build_batches(
     return batches
 
 
+def step_batches(
+    sample: list[int],
+    tokens_per_rank: int,
+    args,
+    *,
+    rank: int,
+    world: int,
+    device: torch.device,
+    extra: int = 0,
+    nano_batches: int = 1,
+) -> list[dict]:
+    """:func:`build_batches` for a benchmark's timed steps: ``extra + args.warmup + args.steps`` micro-batches,
+    seeded by ``args.seed``, laid out by ``args.layout`` (a name in hf_distca.data.baselines.LAYOUTS), with
+    ``nano_batches`` per micro-batch."""
+    count = extra + args.warmup + args.steps
+    layout = LAYOUTS[args.layout]
+    return build_batches(
+        sample, tokens_per_rank, count, rank=rank, world=world, seed=args.seed, layout=layout, device=device,
+        nano_batches=nano_batches,
+    )  # fmt: skip
+
+
 def timed_steps(step, batches, warmup: int, device: torch.device) -> dict:
     """Run ``step(batch)`` on every batch; after ``warmup`` of them: median step time (slowest rank),
     peak memory, forward kernel runs and bytes sent per step (max over ranks), planned imbalance."""
@@ -288,6 +337,16 @@ def write_outputs(results: dict, args, world: int, config, render) -> str:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     return text
+
+
+def write_report(text: str, path: str | None) -> None:
+    """Write ``text`` to ``path`` (when given; its folder is created) and print it."""
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(text)
+        print(f"wrote {path}")
+    print(text)
 
 
 def sync(device: torch.device) -> None:

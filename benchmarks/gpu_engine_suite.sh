@@ -5,12 +5,8 @@
 set -u
 out="${1:?output directory}"
 mkdir -p "$out"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-  python -c "import sys, torch, transformers, accelerate; print(sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__)"
-} > "$out/gpus.txt" 2>&1
-cat "$out/gpus.txt"
+# shellcheck source=benchmarks/gpu_env.sh
+source "$(dirname "$0")/gpu_env.sh"
 echo "== NCCL equality check (bf16 vs float64 oracle)"
 timeout 300 torchrun --nproc-per-node 2 tests/gpu_nccl_engine_check.py > "$out/nccl_engine_check.log" 2>&1
 echo "rc=$?" >> "$out/nccl_engine_check.log"; tail -3 "$out/nccl_engine_check.log"

@@ -9,13 +9,8 @@
 set -u
 out="${1:?output directory}"
 mkdir -p "$out"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-  python -c "import sys, torch, transformers; print(sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__)"
-  python -c "import fla, triton; print('fla', getattr(fla, '__version__', '?'), 'triton', triton.__version__)" || echo "fla not importable"
-} > "$out/gpus.txt" 2>&1
-cat "$out/gpus.txt"
+# shellcheck source=benchmarks/gpu_env.sh
+source "$(dirname "$0")/gpu_env.sh"
 echo "== chunked and fla kernels vs the float64 reference (tests/test_gpu_linear.py)"
 timeout 400 python -m pytest -q -rs -p no:cacheprovider tests/test_gpu_linear.py > "$out/pytest_gpu_linear.log" 2>&1
 echo "rc=$?" >> "$out/pytest_gpu_linear.log"; tail -3 "$out/pytest_gpu_linear.log"

@@ -23,12 +23,9 @@ prolong="${2:?path of the ProLong document-length sample (JSON list)}"
 layers="${3:-8}"
 phase="${4:-all}"
 mkdir -p "$out/traces"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-  python -c "import sys, torch, transformers; print(sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__)"
-} > "$out/gpus.txt" 2>&1
-cat "$out/gpus.txt"
+# shellcheck source=benchmarks/gpu_env.sh
+source "$(dirname "$0")/gpu_env.sh"
+export TOKENIZERS_PARALLELISM=false
 bench=(benchmarks/bench_ping_pong.py --layers "$layers" --tokens-per-rank 32768,65536 --doc-lengths mix
        --doc-lengths "prolong=$prolong" --trace-dir "$out/traces")
 want() { [ "$phase" = all ] || [ "$phase" = "$1" ]; }

@@ -12,12 +12,9 @@ out="${1:?output directory}"
 prolong="${2:?path of the ProLong document-length sample (JSON list)}"
 layers="${3:-8}"
 mkdir -p "$out"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-  python -c "import sys, torch, transformers; print(sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__)"
-} > "$out/gpus.txt" 2>&1
-cat "$out/gpus.txt"
+# shellcheck source=benchmarks/gpu_env.sh
+source "$(dirname "$0")/gpu_env.sh"
+export TOKENIZERS_PARALLELISM=false
 samples=(--doc-lengths mix --doc-lengths "prolong=$prolong")
 
 echo "== 1 GPU: none / recompute / remat"

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import importlib.util
 import json
 import os
 import platform
@@ -34,16 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def load_recipe():
-    spec = importlib.util.spec_from_file_location(
-        "finetune_long_docs", os.path.join(ROOT, "recipes", "finetune_long_docs.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import ROOT, load_recipe  # noqa: E402
 
 
 def checksums(model) -> dict[str, dict]:

@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import sys
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -55,12 +56,54 @@ def train_step(accelerator: Accelerator, model, optimizer, step_batches: list[di
     return accelerator.reduce(step_loss, reduction="sum").item()
 
 
-def write_losses(accelerator: Accelerator, path: str | None, losses: list[float]) -> None:
-    """The per-step losses as a JSON list at ``path`` (main process; nothing when ``path`` is None)."""
+def rank_batches(accelerator: Accelerator, documents, args: argparse.Namespace) -> DistCABatches:
+    """This process's share of every global batch of ``documents`` (args: tokens_per_rank, grad_accum, seed,
+    max_steps)."""
+    rank, world = accelerator.process_index, accelerator.num_processes
+    return DistCABatches(
+        documents,
+        rank=rank,
+        world_size=world,
+        tokens_per_rank=args.tokens_per_rank,
+        grad_accum=args.grad_accum,
+        seed=args.seed,
+        max_steps=args.max_steps,
+        nano_batches=2 if getattr(args, "layer_ping_pong", False) else 1,  # DistCAConfig.layer_ping_pong
+    )
+
+
+def run_steps(
+    accelerator: Accelerator,
+    model,
+    optimizer,
+    batches: DistCABatches,
+    grad_accum: int,
+    observe: Callable[[list[dict]], None] | None = None,
+) -> list[float]:
+    """Train over every step of ``batches`` (``grad_accum`` micro-batches each, :func:`train_step`), printing
+    each step's loss on the main process; ``observe(micro_batches)`` sees each step's micro-batches first.
+    Returns the losses."""
+    losses = []
+    micro = iter(DistCADataLoader(batches))  # already one share per rank: not sharded by Accelerate
+    for _ in range(batches.steps_per_epoch):
+        step_batches = [next(micro) for _ in range(grad_accum)]
+        if observe is not None:
+            observe(step_batches)
+        losses.append(train_step(accelerator, model, optimizer, step_batches))
+        if accelerator.is_main_process:
+            print(f"step {len(losses)}: loss {losses[-1]:.6f}", flush=True)
+    return losses
+
+
+def finish(accelerator: Accelerator, path: str | None, losses: list[float]) -> list[float]:
+    """End the run: the per-step losses as a JSON list at ``path`` (main process; nothing when ``path`` is
+    None); returns them."""
     if accelerator.is_main_process and path:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             json.dump(losses, f)
+    accelerator.end_training()
+    return losses
 
 
 def main(argv=None) -> list[float]:
@@ -84,7 +127,7 @@ def main(argv=None) -> list[float]:
     # gradient accumulation is ours: the loss of every micro-batch is already divided by the targets of
     # the whole global batch, so Accelerate must not divide by the accumulation steps again
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    world, rank = accelerator.num_processes, accelerator.process_index
+    world = accelerator.num_processes
     if args.doc_lengths:
         with open(args.doc_lengths) as f:
             sample = np.asarray(json.load(f), dtype=np.int64)
@@ -94,16 +137,7 @@ def main(argv=None) -> list[float]:
         documents = generate_documents(
             args.num_documents, vocab_size=VOCAB, seed=args.seed, mean_length=400, max_length=3000
         )
-    batches = DistCABatches(
-        documents,
-        rank=rank,
-        world_size=world,
-        tokens_per_rank=args.tokens_per_rank,
-        grad_accum=args.grad_accum,
-        seed=args.seed,
-        max_steps=args.max_steps,
-        nano_batches=2 if config_from_args(args).layer_ping_pong else 1,
-    )
+    batches = rank_batches(accelerator, documents, args)
     torch.manual_seed(args.seed)
     config = LlamaConfig(
         vocab_size=VOCAB,
@@ -120,17 +154,8 @@ def main(argv=None) -> list[float]:
     optimizer = torch.optim.SGD(model.parameters(), lr=args.learning_rate)
     model, optimizer = accelerator.prepare(model, optimizer)
 
-    losses = []
-    micro = iter(DistCADataLoader(batches))  # already one share per rank: not sharded by Accelerate
-    for _ in range(batches.steps_per_epoch):
-        losses.append(
-            train_step(accelerator, model, optimizer, [next(micro) for _ in range(args.grad_accum)])
-        )
-        if accelerator.is_main_process:
-            print(f"step {len(losses)}: loss {losses[-1]:.6f}", flush=True)
-    write_losses(accelerator, args.losses_file, losses)
-    accelerator.end_training()
-    return losses
+    losses = run_steps(accelerator, model, optimizer, batches, args.grad_accum)
+    return finish(accelerator, args.losses_file, losses)
 
 
 if __name__ == "__main__":

@@ -26,13 +26,13 @@ from accelerate import Accelerator
 from transformers import AutoModelForCausalLM, MiniMaxConfig, Qwen3NextConfig
 
 import hf_distca
-from hf_distca.data import DistCABatches, DistCADataLoader, generate_documents
+from hf_distca.data import generate_documents
 from hf_distca.linear import LINEAR_BACKENDS, LinearSPConfig
 from hf_distca.linear.layers import enable_linear_attention_sp
 from hf_distca.linear.ops import chains_of
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from accelerate_loop import train_step, write_losses  # noqa: E402
+from accelerate_loop import finish, rank_batches, run_steps  # noqa: E402
 
 # random-init shapes: 3 linear-attention layers per softmax layer (MiniMax-01 uses 7 per 1, Qwen3-Next 3)
 SIZES = {
@@ -140,7 +140,7 @@ def main(argv=None) -> list[float]:
 
     # gradient accumulation is train_step's (the loss is already normalized by the whole global batch)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    world, rank = accelerator.num_processes, accelerator.process_index
+    world = accelerator.num_processes
     vocab = 256
     documents = generate_documents(
         args.num_documents,
@@ -149,15 +149,7 @@ def main(argv=None) -> list[float]:
         mean_length=args.mean_doc_length,
         max_length=args.max_doc_length,
     )
-    batches = DistCABatches(
-        documents,
-        rank=rank,
-        world_size=world,
-        tokens_per_rank=args.tokens_per_rank,
-        grad_accum=args.grad_accum,
-        seed=args.seed,
-        max_steps=args.max_steps,
-    )
+    batches = rank_batches(accelerator, documents, args)
     model = build_model(args, vocab)
     if args.bf16:
         model = model.to(torch.bfloat16)
@@ -173,19 +165,15 @@ def main(argv=None) -> list[float]:
     if accelerator.is_main_process:
         print(f"{replaced} linear-attention layers on the {args.scan} scan, {world} rank(s)", flush=True)
 
-    losses, cut_documents = [], 0
-    micro = iter(DistCADataLoader(batches))  # already one share per rank: not sharded by Accelerate
-    for _ in range(len(batches.steps)):
-        step_batches = [next(micro) for _ in range(args.grad_accum)]
-        cut_documents += sum(len(chains_of(b["distca_layout"].all_pieces)) for b in step_batches)
-        losses.append(train_step(accelerator, model, optimizer, step_batches))
-        if accelerator.is_main_process:
-            print(f"step {len(losses)}: loss {losses[-1]:.6f}", flush=True)
+    cut_documents = []  # per micro-batch
+
+    def count_cuts(step_batches: list[dict]) -> None:
+        cut_documents.extend(len(chains_of(b["distca_layout"].all_pieces)) for b in step_batches)
+
+    losses = run_steps(accelerator, model, optimizer, batches, args.grad_accum, observe=count_cuts)
     if accelerator.is_main_process:
-        print(f"documents cut across ranks: {cut_documents}", flush=True)
-    write_losses(accelerator, args.losses_file, losses)
-    accelerator.end_training()
-    return losses
+        print(f"documents cut across ranks: {sum(cut_documents)}", flush=True)
+    return finish(accelerator, args.losses_file, losses)
 
 
 if __name__ == "__main__":

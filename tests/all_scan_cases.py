@@ -48,6 +48,24 @@ def oracle(inputs: dict, doc_lengths: Sequence[int], scale: float):
     return torch.cat(outs)
 
 
+def random_transition(
+    kind: str, total: int, heads: int, key_dim: int, gen: torch.Generator, key_dim_decay: float = 0.3
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """float64 (log_decay, beta) of a transition kind over ``total`` tokens, drawn from ``gen`` (every kind's
+    decay is drawn, whichever is asked, so later draws do not depend on it); per key dim decays (vector,
+    kda) lie in (-key_dim_decay, 0]."""
+    log_decay = {
+        "none": None,
+        "const": -0.05 - 0.2 * torch.rand(heads, generator=gen, dtype=torch.float64),
+        "scalar": -0.3 * torch.rand(total, heads, generator=gen, dtype=torch.float64),
+        "vector": -key_dim_decay * torch.rand(total, heads, key_dim, generator=gen, dtype=torch.float64),
+        "delta": -0.3 * torch.rand(total, heads, generator=gen, dtype=torch.float64),
+        "kda": -key_dim_decay * torch.rand(total, heads, key_dim, generator=gen, dtype=torch.float64),
+    }[kind]
+    beta = torch.rand(total, heads, generator=gen, dtype=torch.float64) if kind in ("delta", "kda") else None
+    return log_decay, beta
+
+
 def random_inputs(kind: str, total: int, seed: int, dtype=torch.float64) -> dict:
     """Global inputs in document order (same in every process for the same seed); keys unit-norm so the
     delta rule stays contractive; ``w`` weighs the outputs in the loss sum(o * w)."""
@@ -59,15 +77,7 @@ def random_inputs(kind: str, total: int, seed: int, dtype=torch.float64) -> dict
     q, k, v, w = randn(total, H, K), randn(total, H, K), randn(total, H, V), randn(total, H, V)
     if kind in ("delta", "kda"):
         k = k / k.norm(dim=-1, keepdim=True)
-    log_decay = {
-        "none": None,
-        "const": -0.05 - 0.2 * torch.rand(H, generator=gen, dtype=torch.float64),
-        "scalar": -0.3 * torch.rand(total, H, generator=gen, dtype=torch.float64),
-        "vector": -0.3 * torch.rand(total, H, K, generator=gen, dtype=torch.float64),
-        "delta": -0.3 * torch.rand(total, H, generator=gen, dtype=torch.float64),
-        "kda": -0.3 * torch.rand(total, H, K, generator=gen, dtype=torch.float64),
-    }[kind]
-    beta = torch.rand(total, H, generator=gen, dtype=torch.float64) if kind in ("delta", "kda") else None
+    log_decay, beta = random_transition(kind, total, H, K, gen)
     out = {"q": q, "k": k, "v": v, "w": w, "log_decay": log_decay, "beta": beta}
     return {name: (t.to(dtype) if t is not None else None) for name, t in out.items()}
 
@@ -95,6 +105,35 @@ def per_token(x: torch.Tensor | None, total: int) -> bool:
     return x is not None and x.dim() >= 2 and x.shape[0] == total
 
 
+# ---------------------------------------------------------------------------------------- tiny hybrids
+def _tiny_hybrid_fields(vocab_size: int, deltanet: bool, **fields) -> dict:
+    """Config fields of a tiny 3-layer hybrid (linear, full, linear attention), with gated DeltaNet linear
+    layers (Qwen3-Next, OLMo-hybrid: conv kernel 4, 2 value heads per key head) when ``deltanet``, plus
+    ``fields``."""
+    shared = dict(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        max_position_embeddings=4096,
+        use_cache=False,
+        initializer_range=0.2,
+        **fields,
+    )
+    if deltanet:
+        shared.update(
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=6,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+        )
+    return shared
+
+
 # ----------------------------------------------------------------------------------------- tiny MiniMax
 MINIMAX_VOCAB = 64
 
@@ -104,20 +143,9 @@ def tiny_minimax(attn_implementation: str, dtype=torch.float64, seed: int = 0):
     from transformers import AutoModelForCausalLM, MiniMaxConfig
 
     config = MiniMaxConfig(
-        vocab_size=MINIMAX_VOCAB,
-        hidden_size=32,
-        intermediate_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_local_experts=2,
-        num_experts_per_tok=2,
-        layer_types=["linear_attention", "full_attention", "linear_attention"],
-        block_size=16,
-        max_position_embeddings=4096,
-        use_cache=False,
-        initializer_range=0.2,
+        **_tiny_hybrid_fields(
+            MINIMAX_VOCAB, False, head_dim=8, num_local_experts=2, num_experts_per_tok=2, block_size=16
+        )
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(
@@ -141,27 +169,14 @@ def tiny_qwen3_next(attn_implementation: str, dtype=torch.float64, seed: int = 0
     replace config fields."""
     from transformers import AutoModelForCausalLM, Qwen3NextConfig
 
-    fields = dict(
-        vocab_size=QWEN3_NEXT_VOCAB,
-        hidden_size=32,
-        intermediate_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+    fields = _tiny_hybrid_fields(
+        QWEN3_NEXT_VOCAB,
+        True,
         head_dim=8,
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=6,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
         num_experts=2,
         num_experts_per_tok=2,
         moe_intermediate_size=16,
         shared_expert_intermediate_size=16,
-        layer_types=["linear_attention", "full_attention", "linear_attention"],
-        max_position_embeddings=4096,
-        use_cache=False,
-        initializer_range=0.2,
     )
     config = Qwen3NextConfig(**{**fields, **overrides})
     torch.manual_seed(seed)
@@ -191,27 +206,14 @@ def tiny_olmo_hybrid(attn_implementation: str, dtype=torch.float64, seed: int = 
     fields. Decays drawn as slow as the tiny Qwen3-Next's (A in [0.02, 0.5])."""
     from transformers import AutoModelForCausalLM, OlmoHybridConfig
 
-    fields = dict(
-        vocab_size=QWEN3_NEXT_VOCAB,
-        hidden_size=32,
-        intermediate_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=6,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
+    fields = _tiny_hybrid_fields(
+        QWEN3_NEXT_VOCAB,
+        True,
         linear_a_log_min=0.02,
         linear_a_log_max=0.5,
         linear_allow_neg_eigval=True,
-        layer_types=["linear_attention", "full_attention", "linear_attention"],
-        max_position_embeddings=4096,
         pad_token_id=0,
         eos_token_id=1,
-        use_cache=False,
-        initializer_range=0.2,
     )
     config = OlmoHybridConfig(**{**fields, **overrides})
     torch.manual_seed(seed)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import tempfile
 import traceback
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,23 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, fn, args) -> No
         raise
     finally:
         dist.destroy_process_group()
+
+
+def check_cases(cases: list[dict], results: list, checks: dict[str, Callable[[dict, list], object]]) -> dict:
+    """Check every case against every rank's result of it: ``checks[case["kind"]](case, per_rank)`` with
+    ``per_rank[r] = results[r][i]`` for case i, on one thread like the ranks (an exact replay then runs the
+    kernel with the same bits, and small kernels are faster on one thread anyway). Returns what the checks
+    returned, a list per kind."""
+    returned: dict[str, list] = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for i, case in enumerate(cases):
+            per_rank = [rank_results[i] for rank_results in results]
+            returned.setdefault(case["kind"], []).append(checks[case["kind"]](case, per_rank))
+    finally:
+        torch.set_num_threads(threads)
+    return returned
 
 
 def run_distributed(fn, world: int, *args, timeout: float = 300.0) -> list:

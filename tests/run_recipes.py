@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 tests/run_recipes.py RUNS.json
 
 RUNS.json: a list of ``[recipe file name in recipes/, [argv...]]``. Used by tests that compare recipes
-on the same data (each run writes its own ``--output-dir``).
+on the same data (each run writes its own ``--output-dir``), through :func:`launch`.
 """
 
 from __future__ import annotations
@@ -11,9 +11,25 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def launch(world: int, runs: list, tmp_path) -> None:
+    """One torchrun launch of ``world`` processes running ``runs`` ([recipe, argv] pairs) in turn; fails
+    the calling test with the processes' output if the launch fails."""
+    spec = tmp_path / f"runs{world}.json"
+    spec.write_text(json.dumps(runs))
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+        os.path.join(ROOT, "tests", "run_recipes.py"), str(spec),
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{world} process(es):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
 
 if __name__ == "__main__":
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_distributed
+from distributed import check_cases, run_distributed
 from engine_bytes import exchange_bytes, nonzero, phase_counts
 from oracle import TOL, Layout, assert_close, named_layouts, oracle_with_grads, random_qkv
 from test_engine_remat import check_remat_case, remat_case
@@ -320,24 +320,13 @@ def test_engine_distributed_and_remat(world):
     # errors in the middle: the group must still work after every rank raised
     cases = attention[:4] + errors + attention[4:] + [{"kind": "remat"}]
     results = run_distributed(_engine_worker, world, cases, timeout=SPAWN_TIMEOUT)
-    summaries = []
-    threads = torch.get_num_threads()
-    # single-threaded like the ranks: the exact replay then runs the kernel with the same bits, and
-    # small kernels are faster on one thread anyway (two threads thrash on a busy 2-core machine)
-    torch.set_num_threads(1)
-    try:
-        for i, case in enumerate(cases):
-            per_rank = [results[r][i] for r in range(world)]
-            if case["kind"] == "attention":
-                summaries.append(_check_attention_case(case, per_rank, world))
-            elif case["kind"] == "stages":
-                _check_stages_case(case, per_rank, world)
-            elif case["kind"] == "remat":
-                check_remat_case(per_rank, world)
-            else:
-                _check_error_case(case, per_rank, world)
-    finally:
-        torch.set_num_threads(threads)
+    checks = {
+        "attention": lambda case, per_rank: _check_attention_case(case, per_rank, world),
+        "stages": lambda case, per_rank: _check_stages_case(case, per_rank, world),
+        "remat": lambda case, per_rank: check_remat_case(per_rank, world),
+        "error": lambda case, per_rank: _check_error_case(case, per_rank, world),
+    }
+    summaries = check_cases(cases, results, checks)["attention"]
     # the engine really moved work: not a test that passes because nothing moved
     by_name = {}
     for s in summaries:

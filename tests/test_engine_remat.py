@@ -205,8 +205,9 @@ PIECES = {
 }
 
 
-def remat_case(rank: int, world: int) -> dict:
-    """One training step of each mode on this rank; loss and gradients summed over the ranks."""
+def run_model_steps(rank: int, world: int, runs: dict[str, tuple[str, DistCAConfig]]) -> dict:
+    """For every ``name: (checkpointing mode, config)`` of ``runs``, one training step on this rank of the
+    tiny Llama on the documents LENGTHS laid out as PIECES[world] (:func:`train_once`)."""
     base = tiny_llama(seed=7)
     docs = docs_of(LENGTHS, seed=11)
     pieces = PIECES[world][rank]
@@ -215,12 +216,18 @@ def remat_case(rank: int, world: int) -> dict:
         global_rows(docs, pieces)
     ]
     layout = Layout(PIECES[world])
-    runs = {}
-    for mode in MODES:
+    results = {}
+    for name, (mode, config) in runs.items():
         model = with_mode(base, mode)
-        enable_distca(model, group=dist.group.WORLD, config=DistCAConfig(shard_tokens=8, tolerance=0.0))
-        runs[mode] = train_once(model, ids, pos, layout.of(rank), weights)
-    return runs
+        enable_distca(model, group=dist.group.WORLD, config=config)
+        results[name] = train_once(model, ids, pos, layout.of(rank), weights)
+    return results
+
+
+def remat_case(rank: int, world: int) -> dict:
+    """One training step of each mode on this rank; loss and gradients summed over the ranks."""
+    config = DistCAConfig(shard_tokens=8, tolerance=0.0)
+    return run_model_steps(rank, world, {mode: (mode, config) for mode in MODES})
 
 
 def train_once(model, ids, pos, distca_layout, weights) -> dict:

@@ -8,10 +8,14 @@ bf16 values; sliding windows, attention sinks, logit softcapping (computed or re
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import pytest
 import torch
 from tolerances import TOL
 
+from hf_distca import kernels
 from hf_distca.engine import local_attention
 from hf_distca.kernels import (
     UnsupportedFeatureError,
@@ -95,25 +99,26 @@ def _kv_only_rows(q_lens, k_lens):
 VARIANTS = ["cudnn:split", "cudnn:bottom_right", "torch_varlen", "flash_attn"]
 
 
-def _select(variant: str, monkeypatch) -> str:
+def _select(variant: str) -> dict:
+    """attention_forward/attention_backward's keyword arguments that run ``variant``."""
     backend, _, strategy = variant.partition(":")
     if backend not in _usable():
         pytest.skip(f"backend {backend} is not available here")
     if strategy:
-        monkeypatch.setattr(cudnn_frontend, "suffix_strategy", strategy)
-    return backend
+        return {"backend": backend, "cudnn_options": cudnn_frontend.CudnnOptions(suffix_strategy=strategy)}
+    return {"backend": backend}
 
 
 @pytest.mark.parametrize("case", sorted(SHAPES))
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_cuda_backend_forward_backward_match_reference(variant, case, monkeypatch):
-    backend = _select(variant, monkeypatch)
+def test_cuda_backend_forward_backward_match_reference(variant, case):
+    run = _select(variant)
     q_lens, k_lens = SHAPES[case]
     q, k, v, dout = _inputs(q_lens, k_lens)
     args = (_cu(q_lens), _cu(k_lens), max(q_lens), max(k_lens))
-    out, lse = attention_forward(q, k, v, *args, backend=backend)
+    out, lse = attention_forward(q, k, v, *args, **run)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32 and lse.shape == q.shape[:2]
-    grads = attention_backward(dout, q, k, v, out, lse, *args, backend=backend)
+    grads = attention_backward(dout, q, k, v, out, lse, *args, **run)
     assert [g.dtype for g in grads] == [torch.bfloat16] * 3
     _assert_close_to_reference(
         (out, lse, *grads), _reference(q, k, v, dout, args), _kv_only_rows(q_lens, k_lens)
@@ -130,13 +135,13 @@ WINDOW_SHAPES = {
 
 @pytest.mark.parametrize("case", sorted(WINDOW_SHAPES))
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_cuda_backend_sliding_window_matches_reference(variant, case, monkeypatch):
-    backend = _select(variant, monkeypatch)
+def test_cuda_backend_sliding_window_matches_reference(variant, case):
+    run = _select(variant)
     q_lens, k_lens, window = WINDOW_SHAPES[case]
     q, k, v, dout = _inputs(q_lens, k_lens, seed=2)
     args = (_cu(q_lens), _cu(k_lens), max(q_lens), max(k_lens))
-    out, lse = attention_forward(q, k, v, *args, backend=backend, window=window)
-    grads = attention_backward(dout, q, k, v, out, lse, *args, backend=backend, window=window)
+    out, lse = attention_forward(q, k, v, *args, window=window, **run)
+    grads = attention_backward(dout, q, k, v, out, lse, *args, window=window, **run)
     want = _reference(q, k, v, dout, args, window)
     _assert_close_to_reference((out, lse, *grads), want, _kv_only_rows(q_lens, k_lens))
     causal = _reference(q, k, v, dout, args)
@@ -184,14 +189,22 @@ def test_cuda_backend_softcap_computed_or_refused(variant, monkeypatch):
 def test_cuda_backend_autograd_function(variant, monkeypatch):
     """local_attention (the differentiable operator on one process) gives the same gradients through
     autograd."""
-    backend = _select(variant, monkeypatch)
+    run = _select(variant)
+    backend, options = run["backend"], run.get("cudnn_options")
+    if options is not None:  # local_attention takes no cudnn options: bind them into the registry entry
+        entry = kernels._BACKENDS["cudnn"]
+        forward = functools.partial(entry.forward, options=options)
+        backward = functools.partial(entry.backward, options=options)
+        monkeypatch.setitem(
+            kernels._BACKENDS, "cudnn", dataclasses.replace(entry, forward=forward, backward=backward)
+        )
     q_lens, k_lens = SHAPES["mixed_empty"]
     q, k, v, dout = _inputs(q_lens, k_lens, seed=1)
     args = (_cu(q_lens), _cu(k_lens), max(q_lens), max(k_lens))
     qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
     out = local_attention(qq, kk, vv, *args, backend=backend)
     out.backward(dout)
-    _, lse = attention_forward(q, k, v, *args, backend=backend)
+    _, lse = attention_forward(q, k, v, *args, **run)
     got = (out.detach(), lse, qq.grad, kk.grad, vv.grad)
     _assert_close_to_reference(got, _reference(q, k, v, dout, args), _kv_only_rows(q_lens, k_lens))
 
@@ -229,9 +242,9 @@ def test_cudnn_launch_writes_only_its_own_rows():
         assert not grad[:429].isnan().any() and grad[429:].isnan().all()
 
 
-def test_cudnn_plans_are_reused_across_nearby_shapes(monkeypatch):
+def test_cudnn_plans_are_reused_across_nearby_shapes():
     """Batch sizes and lengths within one bucket reuse the plans built for the first call."""
-    _select("cudnn:split", monkeypatch)
+    _select("cudnn:split")
     # same grouping (two whole documents, one suffix task), every shape in the same bucket
     runs = [([1000, 3000, 700], [1000, 3000, 900]), ([1010, 2900, 650], [1010, 2900, 860])]
     builds = []

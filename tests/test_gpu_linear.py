@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from all_scan_cases import random_transition
 from tolerances import TOL
 
 from hf_distca.linear.ops.chunked import recurrence_chunked
@@ -42,15 +43,7 @@ def _inputs(kind: str, seed: int = 0) -> dict:
 
     k = randn(total, HEADS, DK)
     k = k / k.norm(dim=-1, keepdim=True)  # unit-norm keys keep the delta rule contractive
-    decay = {
-        "none": None,
-        "const": -0.05 - 0.2 * torch.rand(HEADS, generator=gen, dtype=torch.float64),
-        "scalar": -0.3 * torch.rand(total, HEADS, generator=gen, dtype=torch.float64),
-        "vector": -0.1 * torch.rand(total, HEADS, DK, generator=gen, dtype=torch.float64),
-        "delta": -0.3 * torch.rand(total, HEADS, generator=gen, dtype=torch.float64),
-        "kda": -0.1 * torch.rand(total, HEADS, DK, generator=gen, dtype=torch.float64),
-    }[kind]
-    beta = torch.rand(total, HEADS, generator=gen, dtype=torch.float64) if kind in ("delta", "kda") else None
+    decay, beta = random_transition(kind, total, HEADS, DK, gen, key_dim_decay=0.1)
     return {
         "q": randn(total, HEADS, DK) * DK**-0.5,
         "k": k,

@@ -516,6 +516,17 @@ def test_unknown_backend_raises():
         resolve_backend("triton", torch.device("cpu"), torch.float32)
 
 
+def test_cudnn_options_with_another_backend_raise():
+    q, k, v, dout = _inputs([4], [4], 2, 2, 4, torch.float32)
+    args = (_cu([4]), _cu([4]), 4, 4)
+    options = cudnn_frontend.CudnnOptions(suffix_strategy="bottom_right")
+    with pytest.raises(ValueError, match="cudnn_options apply to the cudnn backend only"):
+        attention_forward(q, k, v, *args, backend="reference", cudnn_options=options)
+    out, lse = attention_forward(q, k, v, *args, backend="reference")
+    with pytest.raises(ValueError, match="cudnn_options apply to the cudnn backend only"):
+        attention_backward(dout, q, k, v, out, lse, *args, backend="reference", cudnn_options=options)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # cudnn backend: its host-side planning (alignment groups, suffix split and lse merge, side buffers) with
 # every cuDNN launch replaced by an emulation that honours the same contract (per call: sequences at
@@ -543,7 +554,7 @@ def _emulated_scores(call, j, q, k, scale):
     return scores.masked_fill(~seen, float("-inf"))
 
 
-def _emulated_forward(call, q, k, v, out, lse, scale):
+def _emulated_forward(call, q, k, v, out, lse, scale, *, bucket_shapes):
     groups = q.shape[1] // k.shape[1]
     for j in range(call.num_seqs):
         scores = _emulated_scores(call, j, q, k, scale)
@@ -553,7 +564,7 @@ def _emulated_forward(call, q, k, v, out, lse, scale):
         lse[rows] = torch.logsumexp(scores, -1).transpose(0, 1).to(lse.dtype)
 
 
-def _emulated_backward(call, dout, q, k, v, out, lse, dq, dk, dv, scale):
+def _emulated_backward(call, dout, q, k, v, out, lse, dq, dk, dv, scale, *, bucket_shapes):
     # the backend's contract with cuDNN's backward: every launch is packed (sequences back to back from
     # row 0 on the query side and on the key side)
     starts = cudnn_frontend.packed_starts
@@ -589,19 +600,41 @@ CUDNN_CASES = {
 def test_cudnn_host_logic_with_emulated_launches(case, strategy, monkeypatch):
     monkeypatch.setattr(cudnn_frontend, "launch_forward", _emulated_forward)
     monkeypatch.setattr(cudnn_frontend, "launch_backward", _emulated_backward)
-    monkeypatch.setattr(cudnn_frontend, "suffix_strategy", strategy)
+    options = cudnn_frontend.CudnnOptions(suffix_strategy=strategy)
     q_lens, k_lens, window = CUDNN_CASES[case]
     q, k, v, dout = _inputs(q_lens, k_lens, 8, 2, 16, torch.float32, seed=13)
     seqs = check_inputs(q, k, v, _cu(q_lens), _cu(k_lens), max(q_lens), max(k_lens), window)
-    out, lse = cudnn_frontend.forward(q, k, v, seqs, SCALE)
+    out, lse = cudnn_frontend.forward(q, k, v, seqs, SCALE, options)
     want_out, want_lse = naive_attention(q, k, v, q_lens, k_lens, SCALE, window)
     rtol, atol = TOL["fp32"]
     torch.testing.assert_close(out.double(), want_out, rtol=rtol, atol=atol)
     torch.testing.assert_close(lse.double(), want_lse, rtol=rtol, atol=atol)
-    grads = cudnn_frontend.backward(dout, q, k, v, out, lse, seqs, SCALE)
+    grads = cudnn_frontend.backward(dout, q, k, v, out, lse, seqs, SCALE, options)
     want = naive_grads(q, k, v, dout, q_lens, k_lens, SCALE, window)
     for name, got, ref in zip(("dq", "dk", "dv"), grads, want):
         torch.testing.assert_close(got.double(), ref, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("bucket_shapes", [True, False])
+def test_cudnn_options_reach_every_launch(bucket_shapes, monkeypatch):
+    seen = []
+
+    def spy(launch):
+        def wrapped(*args, bucket_shapes):
+            seen.append(bucket_shapes)
+            launch(*args, bucket_shapes=bucket_shapes)
+
+        return wrapped
+
+    monkeypatch.setattr(cudnn_frontend, "launch_forward", spy(_emulated_forward))
+    monkeypatch.setattr(cudnn_frontend, "launch_backward", spy(_emulated_backward))
+    options = cudnn_frontend.CudnnOptions(suffix_strategy="split", bucket_shapes=bucket_shapes)
+    q_lens, k_lens = [4, 2], [4, 5]  # a whole document and a suffix task: a top-left and a side call
+    q, k, v, dout = _inputs(q_lens, k_lens, 2, 2, 4, torch.float32)
+    seqs = check_inputs(q, k, v, _cu(q_lens), _cu(k_lens), 4, 5)
+    out, lse = cudnn_frontend.forward(q, k, v, seqs, SCALE, options)
+    cudnn_frontend.backward(dout, q, k, v, out, lse, seqs, SCALE, options)
+    assert seen == [bucket_shapes] * 4
 
 
 def test_cudnn_call_plan_groups_by_alignment():
@@ -623,6 +656,8 @@ def test_cudnn_call_plan_groups_by_alignment():
     ]
     with pytest.raises(ValueError, match="suffix_strategy"):
         cudnn_frontend.plan_calls(seqs, "top_left")
+    with pytest.raises(ValueError, match="suffix_strategy"):
+        cudnn_frontend.CudnnOptions(suffix_strategy="top_left")
 
 
 def test_cudnn_plan_buckets():

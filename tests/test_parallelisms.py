@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 from extras import require
+from run_recipes import launch
 from tolerances import TOL
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,19 +33,6 @@ COMMON = [
     "--num-documents", "60", "--mean-doc-words", "300", "--max-doc-words", "1500",
     "--shard-tokens", "64", "--seed", "3",
 ]  # fmt: skip
-
-
-def _launch(world: int, runs: list, tmp_path) -> None:
-    """One torchrun launch of ``world`` processes running ``runs`` ([recipe, argv] pairs) in turn."""
-    spec = tmp_path / f"runs{world}.json"
-    spec.write_text(json.dumps(runs))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-        os.path.join(ROOT, "tests", "run_recipes.py"), str(spec),
-    ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{world} process(es):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
 
 def _results(out) -> tuple[list[dict], dict[str, torch.Tensor], dict]:
@@ -73,14 +60,14 @@ def test_zero3_recipe_matches_one_process(tmp_path):
     require("deepspeed", "deepspeed")
     ds_config = _zero3_sgd_config(tmp_path / "zero3_sgd.json")
     reference = tmp_path / "reference"
-    _launch(1, [["finetune_long_docs.py", [*COMMON, "--tokens-per-rank", str(BUDGET), "--output-dir",
+    launch(1, [["finetune_long_docs.py", [*COMMON, "--tokens-per-rank", str(BUDGET), "--output-dir",
                                            str(reference)]]], tmp_path)  # fmt: skip
     # ZeRO-3 gathers each layer's parameters again for the recompute of gradient checkpointing, while
     # DistCA keeps the layer's attention output (rematerialization-aware)
     modes = {"serial": ["--no-ping-pong"], "ping_pong": ["--ping-pong"],
              "ping_pong_checkpointing": ["--ping-pong", "--gradient-checkpointing"],
              "layer_ping_pong_checkpointing": ["--layer-ping-pong", "--gradient-checkpointing"]}  # fmt: skip
-    _launch(2, [
+    launch(2, [
         ["finetune_long_docs.py", [*COMMON, "--tokens-per-rank", str(BUDGET // 2), "--deepspeed", ds_config, *flags,
                                    "--output-dir", str(tmp_path / name)]]
         for name, flags in modes.items()

@@ -31,27 +31,12 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_distributed
+from distributed import check_cases, run_distributed
 from engine_bytes import exchange_bytes, nonzero, phase_counts
 from oracle import TOL, Layout, assert_close, named_layouts, oracle_with_grads, random_qkv
-from test_engine_remat import (
-    LAYERS,
-    LENGTHS,
-    MODES,
-    PIECES,
-    VOCAB,
-    assert_grads_close,
-    check_modes,
-    docs_of,
-    global_rows,
-    rank_inputs,
-    tiny_llama,
-    train_once,
-    with_mode,
-)
-from test_engine_remat import Layout as ModelLayout
+from test_engine_remat import LAYERS, MODES, assert_grads_close, check_modes, run_model_steps
 
-from hf_distca import DistCAConfig, core_attention, enable_distca, metrics, plan_core_attention
+from hf_distca import DistCAConfig, core_attention, metrics, plan_core_attention
 from hf_distca import engine as eng
 from hf_distca.comm import signal_only
 from hf_distca.engine.nano import nano_batches
@@ -287,24 +272,14 @@ def _signal_case(rank: int, case: dict) -> dict:
 
 def _model_case(rank: int, world: int) -> dict:
     """A tiny Llama step with ping-pong in every checkpointing mode, and without ping-pong."""
-    base = tiny_llama(seed=7)
-    docs = docs_of(LENGTHS, seed=11)
-    pieces = PIECES[world][rank]
-    ids, pos = rank_inputs(docs, pieces)
-    weights = torch.randn(sum(LENGTHS), VOCAB, generator=torch.Generator().manual_seed(13))[
-        global_rows(docs, pieces)
-    ]
-    layout = ModelLayout(PIECES[world])
     runs = {}
-    for mode, ping_pong, split in [*((m, True, "local_first") for m in MODES), ("halves", True, "halves"),
+    for name, ping_pong, split in [*((m, True, "local_first") for m in MODES), ("halves", True, "halves"),
                                    ("serial", False, "local_first")]:  # fmt: skip
-        model = with_mode(base, mode if mode in MODES else "none")
         config = DistCAConfig(
             shard_tokens=8, tolerance=0.0, ping_pong=ping_pong, ping_pong_split=split, backend="reference"
         )
-        enable_distca(model, group=dist.group.WORLD, config=config)
-        runs[mode] = train_once(model, ids, pos, layout.of(rank), weights)
-    return runs
+        runs[name] = (name if name in MODES else "none", config)
+    return run_model_steps(rank, world, runs)
 
 
 def _worker(rank: int, world: int, cases: list[dict]) -> list[dict]:
@@ -475,22 +450,13 @@ def test_ping_pong_engine_distributed(world):
     """Every case of this module that needs processes, in one spawn per world size."""
     cases = _cases(world)
     results = run_distributed(_worker, world, cases, timeout=SPAWN_TIMEOUT)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # like the ranks: the nano-batch replay then runs the kernel with the same bits
-    summaries = []
-    try:
-        for i, case in enumerate(cases):
-            per_rank = [results[r][i] for r in range(world)]
-            if case["kind"] == "attention":
-                summaries.append(_check_attention(case, per_rank, world))
-            elif case["kind"] == "schedule":
-                _check_schedule(case, per_rank)
-            elif case["kind"] == "signal":
-                _check_signal(per_rank, world)
-            else:
-                _check_model(per_rank, world)
-    finally:
-        torch.set_num_threads(threads)
+    checks = {
+        "attention": lambda case, per_rank: _check_attention(case, per_rank, world),
+        "schedule": lambda case, per_rank: _check_schedule(case, per_rank),
+        "signal": lambda case, per_rank: _check_signal(per_rank, world),
+        "model": lambda case, per_rank: _check_model(per_rank, world),
+    }
+    summaries = check_cases(cases, results, checks)["attention"]
     # ping-pong really ran on most layouts, including documents cut over ranks and the empty rank
     for split in ("local_first", "halves"):
         ran = {s["name"] for s in summaries if s["communicates"] and s["split"] == split}

@@ -15,6 +15,7 @@ import sys
 
 import pytest
 import torch
+from run_recipes import launch
 from safetensors.torch import load_file
 from tolerances import TOL
 
@@ -158,15 +159,7 @@ def test_recipe_windowed_models_equal_on_one_and_two_processes(tmp_path):
                     )
                 )
     for world in (1, 2):
-        spec = tmp_path / f"runs{world}.json"
-        spec.write_text(json.dumps([["finetune_long_docs.py", argv] for w, _, _, argv in runs if w == world]))
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-            os.path.join(ROOT, "tests", "run_recipes.py"), str(spec),
-        ]  # fmt: skip
-        env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, f"{world} process(es):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        launch(world, [["finetune_long_docs.py", argv] for w, _, _, argv in runs if w == world], tmp_path)
     records = {}
     for world, model, out, _ in runs:
         with open(out / "metrics.jsonl") as f:

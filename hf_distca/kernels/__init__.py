@@ -35,11 +35,13 @@ from hf_distca.kernels.common import (
     check_inputs,
     check_sinks,
 )
+from hf_distca.kernels.cudnn_frontend import CudnnOptions
 from hf_distca.kernels.reference import reference_varlen_attention
 from hf_distca.kernels.sinks import sinks_backward as _sinks_backward
 from hf_distca.kernels.sinks import with_sinks
 
 __all__ = [
+    "CudnnOptions",
     "UnsupportedFeatureError",
     "attention_backward",
     "attention_forward",
@@ -59,9 +61,9 @@ class _Backend:
     cuda_half_only: bool
     """Runs only on CUDA tensors in float16/bfloat16."""
     forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    """(q, k, v, seqs, scale) -> (out, lse)."""
+    """(q, k, v, seqs, scale) -> (out, lse); cudnn also takes its CudnnOptions last."""
     backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    """(dout, q, k, v, out, lse, seqs, scale) -> (dq, dk, dv)."""
+    """(dout, q, k, v, out, lse, seqs, scale) -> (dq, dk, dv); cudnn also takes its CudnnOptions last."""
     missing: str
     """What to install when ``available()`` is False."""
     window: Callable[[], bool] = lambda: True
@@ -159,6 +161,15 @@ def _refuse_softcap(name: str, softcap: float) -> None:
     )
 
 
+def _options(name: str, cudnn_options: CudnnOptions | None) -> tuple[CudnnOptions, ...]:
+    """The extra arguments of backend ``name``'s forward and backward: the cudnn options, when given."""
+    if cudnn_options is None:
+        return ()
+    if name != "cudnn":
+        raise ValueError(f"cudnn_options apply to the cudnn backend only, not to {name!r}; drop them")
+    return (cudnn_options,)
+
+
 def _check_features(seqs: PackedSeqs, name: str) -> None:
     """Refuse what backend ``name`` cannot compute (rather than computing other math)."""
     if seqs.window is not None and not _BACKENDS[name].window():
@@ -171,13 +182,20 @@ def _check_features(seqs: PackedSeqs, name: str) -> None:
 
 
 def _forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: PackedSeqs, scale: float, name: str
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seqs: PackedSeqs,
+    scale: float,
+    name: str,
+    cudnn_options: CudnnOptions | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_features(seqs, name)
+    options = _options(name, cudnn_options)
     if q.shape[0] == 0:  # no query rows: nothing to run (GPU kernels may refuse empty launches)
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         return q.new_empty(q.shape), torch.empty(0, q.shape[1], dtype=lse_dtype, device=q.device)
-    return _BACKENDS[name].forward(q, k, v, seqs, scale)
+    return _BACKENDS[name].forward(q, k, v, seqs, scale, *options)
 
 
 def _backward(
@@ -190,11 +208,13 @@ def _backward(
     seqs: PackedSeqs,
     scale: float,
     name: str,
+    cudnn_options: CudnnOptions | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_features(seqs, name)
+    options = _options(name, cudnn_options)
     if q.shape[0] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    dq, dk, dv = _BACKENDS[name].backward(dout, q, k, v, out, lse, seqs, scale)
+    dq, dk, dv = _BACKENDS[name].backward(dout, q, k, v, out, lse, seqs, scale, *options)
     for i in range(seqs.num_seqs):
         if seqs.q_len(i) == 0 and seqs.k_len(i) > 0:  # keys nobody queries: zero whatever the kernel left
             dk[seqs.k_bounds[i] : seqs.k_bounds[i + 1]] = 0
@@ -216,6 +236,7 @@ def attention_forward(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    cudnn_options: CudnnOptions | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal (bottom-right aligned) varlen attention forward; not differentiable.
 
@@ -228,13 +249,15 @@ def attention_forward(
     before the mask and softmax; None or 0: none). ``sinks``: (Hq,) attention-sink logits, one extra
     softmax column per row and head that carries no value (:mod:`hf_distca.kernels.sinks`); the returned
     lse then includes it, which is what :func:`attention_backward` takes (gradients of the sinks:
-    :func:`sinks_backward`).
+    :func:`sinks_backward`). ``cudnn_options``: how the cudnn backend runs (None: its defaults; only when the
+    backend is cudnn).
     """
     seqs = check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window, softcap)
     if sinks is not None:
         check_sinks(sinks, q)
     name = resolve_backend(backend, q.device, q.dtype, softcap=seqs.softcap)
-    out, lse = _forward(q, k, v, seqs, q.shape[-1] ** -0.5 if scale is None else scale, name)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    out, lse = _forward(q, k, v, seqs, scale, name, cudnn_options)
     return (out, lse) if sinks is None else with_sinks(out, lse, sinks.detach())
 
 
@@ -254,19 +277,20 @@ def attention_backward(
     backend: str = "auto",
     window: int | None = None,
     softcap: float | None = None,
+    cudnn_options: CudnnOptions | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`attention_forward` from its inputs, its (out, lse) and dout; not differentiable.
 
     Returns dq like q and dk, dv like k, v (GQA: summed over each KV head's query group), in the inputs'
     dtypes. Keys of sequences without queries get zero gradients. ``out`` and ``lse`` must come from a
     forward of the same inputs, ``window`` and ``softcap`` (any backend: all agree up to rounding); with
-    sinks, the forward's (out, lse) already hold them and these gradients are exact as they are.
+    sinks, the forward's (out, lse) already hold them and these gradients are exact as they are. ``cudnn_options``: as in :func:`attention_forward`.
     """
     seqs = check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window, softcap)
     check_backward_inputs(dout, q, out, lse)
     name = resolve_backend(backend, q.device, q.dtype, softcap=seqs.softcap)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _backward(dout, q, k, v, out, lse, seqs, scale, name)
+    return _backward(dout, q, k, v, out, lse, seqs, scale, name, cudnn_options)
 
 
 def sinks_backward(

@@ -11,7 +11,7 @@ with bottom-right alignment than top-left, so sequences are grouped:
 - prefix-aligned sequences (len_q == len_k: whole documents, head shards) run in one top-left causal
   call;
 - suffix sequences (len_q < len_k: a query shard over a longer KV prefix) either run in one
-  bottom-right causal call (``suffix_strategy = "bottom_right"``), or are split
+  bottom-right causal call (``CudnnOptions.suffix_strategy = "bottom_right"``), or are split
   (``suffix_strategy = "split"``) into a top-left causal part over their last len_q keys, which joins
   the prefix call, and a non-causal part over their earlier len_k - len_q keys, merged through the
   log-sum-exp: out = w1 o1 + w2 o2 with w_i = exp(lse_i - lse), lse = log(exp(lse1) + exp(lse2)). The
@@ -26,7 +26,7 @@ Forward calls list only their own sequences; ragged offsets address them inside 
 tensors, so no rows are copied and calls write disjoint rows of the shared outputs (the non-causal part
 of a split writes its partial output to a compact side buffer). Backward calls run on packed operands
 (sequences back to back from row 0): cuDNN's ragged backward gave wrong dq otherwise (see
-``_backward_call``), so a call whose rows are not already packed gathers them (q, out, dout, lse on the
+``backward``), so a call whose rows are not already packed gathers them (q, out, dout, lse on the
 query side; k, v on the key side) and scatters its gradients back.
 
 Plan cache: a plan is specific to (batch size, max_seqlen_q/k, and for the backward the packed token
@@ -35,7 +35,8 @@ per octave (<= 25% over the real value, never less than 128 tokens) and the batc
 zero-length sequences, so a training run builds a handful of plans per direction instead of one per
 step. Measured on H200 (benchmarks/results/kernels_cudnn_h200.md): ~0.36 s for the first call in a
 process, ~50 ms per new plan per direction; rounding up cost nothing measurable (grid blocks of padding
-sequences and of rows past a sequence's end exit at once).
+sequences and of rows past a sequence's end exit at once). ``CudnnOptions.bucket_shapes = False``
+declares exact shapes instead (benchmarks measure what the rounding costs).
 
 The default ``suffix_strategy`` is "split": it measured 1.04-1.05x faster than "bottom_right" on real
 server task mixes (one long suffix task among whole documents) and on 4K-query suffix tasks; on short
@@ -54,13 +55,6 @@ import torch
 from hf_distca.kernels.common import PackedSeqs
 
 SUFFIX_STRATEGIES = ("bottom_right", "split")
-suffix_strategy = "split"
-"""How suffix sequences run (one of SUFFIX_STRATEGIES); an internal switch for benchmarks."""
-
-bucket_shapes = True
-"""Round plan shapes up (see the module docstring); False declares exact shapes (benchmarks measure
-what the rounding costs)."""
-
 TOP_LEFT, BOTTOM_RIGHT, FULL = "causal_top_left", "causal_bottom_right", "full"
 
 
@@ -75,6 +69,29 @@ def _cudnn():
 
 def available() -> bool:
     return _cudnn() is not None and torch.cuda.is_available()
+
+
+@dataclass(frozen=True)
+class CudnnOptions:
+    """How the cudnn backend runs its calls; the defaults are what training uses, the alternatives are
+    there for benchmarks to compare (pass them to :func:`hf_distca.kernels.attention_forward` and
+    :func:`~hf_distca.kernels.attention_backward` as ``cudnn_options``)."""
+
+    suffix_strategy: str = "split"
+    """How suffix sequences run, one of SUFFIX_STRATEGIES (see the module docstring)."""
+    bucket_shapes: bool = True
+    """Round plan shapes up (see the module docstring); False declares exact shapes."""
+
+    def __post_init__(self) -> None:
+        _check_strategy(self.suffix_strategy)
+
+
+def _check_strategy(strategy: str) -> None:
+    if strategy not in SUFFIX_STRATEGIES:
+        raise ValueError(f"suffix_strategy must be one of {SUFFIX_STRATEGIES}, got {strategy!r}")
+
+
+DEFAULT_OPTIONS = CudnnOptions()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -112,8 +129,7 @@ def plan_calls(seqs: PackedSeqs, strategy: str) -> tuple[KernelCall, ...]:
     Calls come in the order they must run: the top-left call, then the bottom-right one, then the
     non-causal side call of a split (its backward adds onto the dq the top-left call wrote).
     """
-    if strategy not in SUFFIX_STRATEGIES:
-        raise ValueError(f"suffix_strategy must be one of {SUFFIX_STRATEGIES}, got {strategy!r}")
+    _check_strategy(strategy)
     prefix: list[tuple[int, int, int, int, int]] = []  # (q_row, k_row, lq, lk, out_row)
     suffix: list[tuple[int, int, int, int, int]] = []
     rest: list[tuple[int, int, int, int, int]] = []  # split: non-causal parts, out rows in the side buffer
@@ -156,8 +172,6 @@ def packed_starts(lengths: tuple[int, ...]) -> tuple[int, ...]:
 
 def bucket(n: int, minimum: int) -> int:
     """Round up on a ladder with 4 steps per octave (<= 25% over n), never below ``minimum``."""
-    if not bucket_shapes:
-        return max(n, 1)
     if n <= minimum:
         return minimum
     step = max(1, (1 << (n.bit_length() - 1)) // 4)
@@ -255,29 +269,34 @@ def _finish(graph) -> int:
     return graph.get_workspace_size()
 
 
+def _sdpa_arguments(g, cudnn, io, dims: tuple[int, ...], scale: float, mask: str, window: int | None) -> dict:
+    """What the forward and backward sdpa nodes share: q (B, Hq, S_q, D), k and v (B, Hkv, S_kv, D) as ragged
+    views of packed (T, H, D) tensors, the per-sequence lengths, the scale and the mask."""
+    b, hq, hk, d, s_q, s_kv = dims
+    i64, i32 = cudnn.data_type.INT64, cudnn.data_type.INT32
+    operands = {}
+    for name, uid, ragged, heads, seqlen in (
+        ("q", _UID.Q, _UID.RAGGED_Q, hq, s_q),
+        ("k", _UID.K, _UID.RAGGED_K, hk, s_kv),
+        ("v", _UID.V, _UID.RAGGED_V, hk, s_kv),
+    ):
+        t = g.tensor(
+            name=name, dim=[b, heads, seqlen, d], stride=_thd_stride(seqlen, heads, d), data_type=io, uid=uid
+        )
+        t.set_ragged_offset(_column(g, cudnn, f"ragged_{name}", b + 1, ragged, i64))
+        operands[name] = t
+    operands["seq_len_q"] = _column(g, cudnn, "seq_len_q", b, _UID.SEQ_LEN_Q, i32)
+    operands["seq_len_kv"] = _column(g, cudnn, "seq_len_kv", b, _UID.SEQ_LEN_KV, i32)
+    return {**operands, "attn_scale": scale, "use_padding_mask": True, **_mask_arguments(cudnn, mask, window)}
+
+
 def _forward_graph(key: tuple, handle):
     cudnn = _cudnn()
     dtype, b, hq, hk, d, s_q, s_kv, mask, scale, window = key[1:11]
     g, io = _new_graph(cudnn, handle, dtype)
-    i64, i32 = cudnn.data_type.INT64, cudnn.data_type.INT32
-    q = g.tensor(name="q", dim=[b, hq, s_q, d], stride=_thd_stride(s_q, hq, d), data_type=io, uid=_UID.Q)
-    k = g.tensor(name="k", dim=[b, hk, s_kv, d], stride=_thd_stride(s_kv, hk, d), data_type=io, uid=_UID.K)
-    v = g.tensor(name="v", dim=[b, hk, s_kv, d], stride=_thd_stride(s_kv, hk, d), data_type=io, uid=_UID.V)
-    q.set_ragged_offset(_column(g, cudnn, "ragged_q", b + 1, _UID.RAGGED_Q, i64))
-    k.set_ragged_offset(_column(g, cudnn, "ragged_k", b + 1, _UID.RAGGED_K, i64))
-    v.set_ragged_offset(_column(g, cudnn, "ragged_v", b + 1, _UID.RAGGED_V, i64))
-    o, stats = g.sdpa(
-        name="sdpa_fwd",
-        q=q,
-        k=k,
-        v=v,
-        generate_stats=True,
-        attn_scale=scale,
-        use_padding_mask=True,
-        seq_len_q=_column(g, cudnn, "seq_len_q", b, _UID.SEQ_LEN_Q, i32),
-        seq_len_kv=_column(g, cudnn, "seq_len_kv", b, _UID.SEQ_LEN_KV, i32),
-        **_mask_arguments(cudnn, mask, window),
-    )
+    i64 = cudnn.data_type.INT64
+    shared = _sdpa_arguments(g, cudnn, io, (b, hq, hk, d, s_q, s_kv), scale, mask, window)
+    o, stats = g.sdpa(name="sdpa_fwd", generate_stats=True, **shared)
     o.set_uid(_UID.O).set_output(True).set_dim([b, hq, s_q, d]).set_stride(_thd_stride(s_q, hq, d))
     o.set_data_type(io)
     o.set_ragged_offset(_column(g, cudnn, "ragged_o", b + 1, _UID.RAGGED_O, i64))
@@ -293,53 +312,34 @@ def _backward_graph(key: tuple, handle, ragged_stats: bool):
     cudnn = _cudnn()
     dtype, b, hq, hk, d, s_q, s_kv, mask, scale, total_q, total_kv, window = key[1:13]
     g, io = _new_graph(cudnn, handle, dtype)
-    i64, i32 = cudnn.data_type.INT64, cudnn.data_type.INT32
+    i64 = cudnn.data_type.INT64
     q_stride, kv_stride = _thd_stride(s_q, hq, d), _thd_stride(s_kv, hk, d)
-    q = g.tensor(name="q", dim=[b, hq, s_q, d], stride=q_stride, data_type=io, uid=_UID.Q)
-    k = g.tensor(name="k", dim=[b, hk, s_kv, d], stride=kv_stride, data_type=io, uid=_UID.K)
-    v = g.tensor(name="v", dim=[b, hk, s_kv, d], stride=kv_stride, data_type=io, uid=_UID.V)
+    shared = _sdpa_arguments(g, cudnn, io, (b, hq, hk, d, s_q, s_kv), scale, mask, window)
     o = g.tensor(name="o", dim=[b, hq, s_q, d], stride=q_stride, data_type=io, uid=_UID.O)
     do = g.tensor(name="dO", dim=[b, hq, s_q, d], stride=q_stride, data_type=io, uid=_UID.DO)
-    if ragged_stats:
-        stats = g.tensor(
-            name="stats",
-            dim=[b, hq, s_q, 1],
-            stride=_thd_stride(s_q, hq, 1),
-            data_type=cudnn.data_type.FLOAT,
-            uid=_UID.STATS,
-        )
-        stats.set_ragged_offset(_column(g, cudnn, "ragged_stats", b + 1, _UID.RAGGED_STATS, i64))
-    else:  # padded (B, H, S_q, 1)
-        stats = g.tensor(
-            name="stats",
-            dim=[b, hq, s_q, 1],
-            stride=[hq * s_q, s_q, 1, 1],
-            data_type=cudnn.data_type.FLOAT,
-            uid=_UID.STATS,
-        )
-    ragged_q = _column(g, cudnn, "ragged_q", b + 1, _UID.RAGGED_Q, i64)
     ragged_o = _column(g, cudnn, "ragged_o", b + 1, _UID.RAGGED_O, i64)
-    q.set_ragged_offset(ragged_q)
     o.set_ragged_offset(ragged_o)
     do.set_ragged_offset(ragged_o)
-    k.set_ragged_offset(_column(g, cudnn, "ragged_k", b + 1, _UID.RAGGED_K, i64))
-    v.set_ragged_offset(_column(g, cudnn, "ragged_v", b + 1, _UID.RAGGED_V, i64))
+    # the log-sum-exp: packed (T, H) with ragged offsets, or padded (B, H, S_q, 1)
+    stats_stride = _thd_stride(s_q, hq, 1) if ragged_stats else [hq * s_q, s_q, 1, 1]
+    stats = g.tensor(
+        name="stats",
+        dim=[b, hq, s_q, 1],
+        stride=stats_stride,
+        data_type=cudnn.data_type.FLOAT,
+        uid=_UID.STATS,
+    )
+    if ragged_stats:
+        stats.set_ragged_offset(_column(g, cudnn, "ragged_stats", b + 1, _UID.RAGGED_STATS, i64))
     dq, dk, dv = g.sdpa_backward(
         name="sdpa_bwd",
-        q=q,
-        k=k,
-        v=v,
         o=o,
         dO=do,
         stats=stats,
-        attn_scale=scale,
-        use_padding_mask=True,
-        seq_len_q=_column(g, cudnn, "seq_len_q", b, _UID.SEQ_LEN_Q, i32),
-        seq_len_kv=_column(g, cudnn, "seq_len_kv", b, _UID.SEQ_LEN_KV, i32),
         max_total_seq_len_q=total_q,
         max_total_seq_len_kv=total_kv,
         use_deterministic_algorithm=False,
-        **_mask_arguments(cudnn, mask, window),
+        **shared,
     )
     for t, uid, dims, stride, ragged in (
         (dq, _UID.DQ, [b, hq, s_q, d], q_stride, _UID.RAGGED_DQ),
@@ -418,11 +418,16 @@ def _metadata(call: KernelCall, b: int, hq: int, hk: int, d: int, device: torch.
     )
 
 
-def _batch_and_lengths(call: KernelCall) -> tuple[int, int, int]:
+def _plan_size(n: int, minimum: int, bucket_shapes: bool) -> int:
+    """The size a plan declares for n: bucketed (see :func:`bucket`), or exact (at least 1)."""
+    return bucket(n, minimum) if bucket_shapes else max(n, 1)
+
+
+def _batch_and_lengths(call: KernelCall, bucket_shapes: bool) -> tuple[int, int, int]:
     return (
-        bucket(call.num_seqs, 1),
-        bucket(max(call.q_lens), _MIN_SEQLEN),
-        bucket(max(call.k_lens), _MIN_SEQLEN),
+        _plan_size(call.num_seqs, 1, bucket_shapes),
+        _plan_size(max(call.q_lens), _MIN_SEQLEN, bucket_shapes),
+        _plan_size(max(call.k_lens), _MIN_SEQLEN, bucket_shapes),
     )
 
 
@@ -433,6 +438,12 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _execute(graph, workspace_size: int, handle, buffers: dict, device: torch.device) -> None:
+    """Run a built graph on ``buffers`` (uid -> tensor) with a fresh workspace."""
+    workspace = torch.empty(max(workspace_size, 1), dtype=torch.uint8, device=device)
+    graph.execute(list(buffers.values()), workspace, handle=handle, tensor_uids=[int(u) for u in buffers])
+
+
 def launch_forward(
     call: KernelCall,
     q: torch.Tensor,
@@ -441,15 +452,17 @@ def launch_forward(
     out: torch.Tensor,
     lse: torch.Tensor,
     scale: float,
+    *,
+    bucket_shapes: bool = True,
 ) -> None:
-    """Write this call's sequences' output and log-sum-exp rows (at call.out_rows) into out and lse."""
+    """Write this call's sequences' output and log-sum-exp rows (at call.out_rows) into out and lse.
+    ``bucket_shapes``: as :attr:`CudnnOptions.bucket_shapes`."""
     hq, hk, d = q.shape[1], k.shape[1], q.shape[2]
-    b, s_q, s_kv = _batch_and_lengths(call)
+    b, s_q, s_kv = _batch_and_lengths(call, bucket_shapes)
     handle = _handle(q.device)
     key = ("forward", q.dtype, b, hq, hk, d, s_q, s_kv, call.mask, float(scale), call.window, q.device)
     graph, workspace_size = _cached_forward_graph(key, handle)
     len_q, len_kv, off_q, off_k, off_o, off_stats, _ = _metadata(call, b, hq, hk, d, q.device)
-    workspace = torch.empty(max(workspace_size, 1), dtype=torch.uint8, device=q.device)
     buffers = {
         _UID.Q: q,
         _UID.K: k,
@@ -464,7 +477,7 @@ def launch_forward(
         _UID.RAGGED_O: off_o,
         _UID.RAGGED_STATS: off_stats,
     }
-    graph.execute(list(buffers.values()), workspace, handle=handle, tensor_uids=[int(u) for u in buffers])
+    _execute(graph, workspace_size, handle, buffers, q.device)
 
 
 def launch_backward(
@@ -479,14 +492,19 @@ def launch_backward(
     dk: torch.Tensor,
     dv: torch.Tensor,
     scale: float,
+    *,
+    bucket_shapes: bool = True,
 ) -> None:
     """Write this call's dq rows (at call.out_rows) into dq and its keys' rows into dk and dv.
 
     out and lse are the final (merged) forward results at the query rows: every part of a split
-    sequence differentiates against them."""
+    sequence differentiates against them. ``bucket_shapes``: as :attr:`CudnnOptions.bucket_shapes`."""
     hq, hk, d = q.shape[1], k.shape[1], q.shape[2]
-    b, s_q, s_kv = _batch_and_lengths(call)
-    totals = bucket(max(q.shape[0], dq.shape[0]), _MIN_SEQLEN), bucket(k.shape[0], _MIN_SEQLEN)
+    b, s_q, s_kv = _batch_and_lengths(call, bucket_shapes)
+    totals = (
+        _plan_size(max(q.shape[0], dq.shape[0]), _MIN_SEQLEN, bucket_shapes),
+        _plan_size(k.shape[0], _MIN_SEQLEN, bucket_shapes),
+    )
     handle = _handle(q.device)
     key = (
         "backward",
@@ -514,7 +532,6 @@ def launch_backward(
         seq, pos, row = (t.to(q.device, non_blocking=True) for t in (seq, pos, row))
         stats = torch.zeros(b, hq, s_q, dtype=torch.float32, device=q.device)
         stats[seq, :, pos] = lse[row]
-    workspace = torch.empty(max(workspace_size, 1), dtype=torch.uint8, device=q.device)
     buffers = {
         _UID.Q: q,
         _UID.K: k,
@@ -537,7 +554,7 @@ def launch_backward(
     }
     if ragged:
         buffers[_UID.RAGGED_STATS] = off_stats
-    graph.execute(list(buffers.values()), workspace, handle=handle, tensor_uids=[int(u) for u in buffers])
+    _execute(graph, workspace_size, handle, buffers, q.device)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -555,20 +572,26 @@ def _row_index(starts: tuple[int, ...], lengths: tuple[int, ...], device: torch.
 
 
 def forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: PackedSeqs, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seqs: PackedSeqs,
+    scale: float,
+    options: CudnnOptions = DEFAULT_OPTIONS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
     out = torch.empty_like(q)  # (Tq, Hq, D); every query row belongs to exactly one non-side call
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)  # (Tq, Hq)
-    for call in plan_calls(seqs, suffix_strategy):
+    bucket_shapes = options.bucket_shapes
+    for call in plan_calls(seqs, options.suffix_strategy):
         if not call.side:
-            launch_forward(call, q, k, v, out, lse, scale)
+            launch_forward(call, q, k, v, out, lse, scale, bucket_shapes=bucket_shapes)
             continue
         # split suffix sequences: the top-left call wrote their causal part; merge the non-causal part
         rows = sum(call.q_lens)
         side_out = q.new_empty(rows, *q.shape[1:])  # (rows, Hq, D)
         side_lse = lse.new_empty(rows, q.shape[1])  # (rows, Hq)
-        launch_forward(call, q, k, v, side_out, side_lse, scale)
+        launch_forward(call, q, k, v, side_out, side_lse, scale, bucket_shapes=bucket_shapes)
         if call.q_rows == packed_starts(call.q_lens):  # the side rows are q's first rows: no gather
             main_out, main_lse = out[:rows], lse[:rows]
         else:
@@ -585,58 +608,6 @@ def forward(
     return out, lse
 
 
-def _backward_call(
-    call: KernelCall,
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    dq: torch.Tensor,
-    dk: torch.Tensor,
-    dv: torch.Tensor,
-    scale: float,
-) -> None:
-    """One call's backward on packed operands.
-
-    cuDNN's ragged backward computed wrong dq (about 1% of entries, wrong by O(1)) on H200 / cuDNN 9.19
-    when a call's sequences did not lie back to back from row 0 (gaps, or a later start; the forward is
-    unaffected): so every backward launch gets its query side (q, out, dout, lse, dq) and key side (k, v,
-    dk, dv) packed, gathering the rows of calls that are not already packed.
-    """
-    q_starts, k_starts = packed_starts(call.q_lens), packed_starts(call.k_lens)
-    packed = KernelCall(
-        call.mask, q_starts, k_starts, call.q_lens, call.k_lens, q_starts, call.side, call.window
-    )
-    q_in_place = call.q_rows == q_starts
-    k_in_place = call.k_rows == k_starts
-    rows = sum(call.q_lens)
-    if q_in_place:
-        q_c, out_c, dout_c, lse_c = q, out, dout, lse
-    else:
-        q_index = _row_index(call.q_rows, call.q_lens, q.device)
-        q_c, out_c, dout_c, lse_c = (t.index_select(0, q_index) for t in (q, out, dout, lse))  # (rows, ...)
-    if k_in_place:
-        k_c, v_c, dk_c, dv_c = k, v, dk, dv
-    else:
-        k_index = _row_index(call.k_rows, call.k_lens, k.device)
-        k_c, v_c = k.index_select(0, k_index), v.index_select(0, k_index)  # (keys, Hkv, D)
-        dk_c, dv_c = torch.empty_like(k_c), torch.empty_like(v_c)
-    dq_c = dq if q_in_place and not call.side else q.new_empty(rows, *q.shape[1:])  # (rows, Hq, D)
-    launch_backward(packed, dout_c, q_c, k_c, v_c, out_c, lse_c, dq_c, dk_c, dv_c, scale)
-    if call.side:  # the non-causal part of split sequences: add onto the causal part's dq
-        if q_in_place:
-            dq[:rows] += dq_c
-        else:
-            dq.index_add_(0, q_index, dq_c)
-    elif not q_in_place:
-        dq.index_copy_(0, q_index, dq_c)
-    if not k_in_place:
-        dk.index_copy_(0, k_index, dk_c)
-        dv.index_copy_(0, k_index, dv_c)
-
-
 def backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -646,12 +617,64 @@ def backward(
     lse: torch.Tensor,
     seqs: PackedSeqs,
     scale: float,
+    options: CudnnOptions = DEFAULT_OPTIONS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every call's backward on packed operands.
+
+    cuDNN's ragged backward computed wrong dq (about 1% of entries, wrong by O(1)) on H200 / cuDNN 9.19
+    when a call's sequences did not lie back to back from row 0 (gaps, or a later start; the forward is
+    unaffected): so every backward launch gets its query side (q, out, dout, lse, dq) and key side (k, v,
+    dk, dv) packed, gathering the rows of calls that are not already packed.
+    """
     dout, q, k, v, out = (_aligned(t) for t in (dout, q, k, v, out))
     lse = _aligned(lse.float())
     dq = torch.empty_like(q)  # every query row is written by exactly one non-side call
     dk = torch.zeros_like(k)  # keys of sequences without queries are written by no call
     dv = torch.zeros_like(v)
-    for call in plan_calls(seqs, suffix_strategy):
-        _backward_call(call, dout, q, k, v, out, lse, dq, dk, dv, scale)
+    for call in plan_calls(seqs, options.suffix_strategy):
+        q_starts, k_starts = packed_starts(call.q_lens), packed_starts(call.k_lens)
+        packed = KernelCall(
+            call.mask, q_starts, k_starts, call.q_lens, call.k_lens, q_starts, call.side, call.window
+        )
+        q_in_place = call.q_rows == q_starts
+        k_in_place = call.k_rows == k_starts
+        rows = sum(call.q_lens)
+        if q_in_place:
+            q_c, out_c, dout_c, lse_c = q, out, dout, lse
+        else:
+            q_index = _row_index(call.q_rows, call.q_lens, q.device)
+            q_c, out_c, dout_c, lse_c = (
+                t.index_select(0, q_index) for t in (q, out, dout, lse)
+            )  # (rows, ...)
+        if k_in_place:
+            k_c, v_c, dk_c, dv_c = k, v, dk, dv
+        else:
+            k_index = _row_index(call.k_rows, call.k_lens, k.device)
+            k_c, v_c = k.index_select(0, k_index), v.index_select(0, k_index)  # (keys, Hkv, D)
+            dk_c, dv_c = torch.empty_like(k_c), torch.empty_like(v_c)
+        dq_c = dq if q_in_place and not call.side else q.new_empty(rows, *q.shape[1:])  # (rows, Hq, D)
+        launch_backward(
+            packed,
+            dout_c,
+            q_c,
+            k_c,
+            v_c,
+            out_c,
+            lse_c,
+            dq_c,
+            dk_c,
+            dv_c,
+            scale,
+            bucket_shapes=options.bucket_shapes,
+        )
+        if call.side:  # the non-causal part of split sequences: add onto the causal part's dq
+            if q_in_place:
+                dq[:rows] += dq_c
+            else:
+                dq.index_add_(0, q_index, dq_c)
+        elif not q_in_place:
+            dq.index_copy_(0, q_index, dq_c)
+        if not k_in_place:
+            dk.index_copy_(0, k_index, dk_c)
+            dv.index_copy_(0, k_index, dv_c)
     return dq, dk, dv

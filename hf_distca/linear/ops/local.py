@@ -121,6 +121,37 @@ def _cu(runs: Sequence[tuple[int, int]]) -> list[int]:
     return cu
 
 
+def _from_state_alone(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    runs: Sequence[tuple[int, int]],
+    initial_state: torch.Tensor,
+    log_decay: torch.Tensor | None,
+    beta: torch.Tensor | None,
+    scale: float,
+    output_final_state: bool,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The recurrence over the runs (local row start, length) with zero values, from ``initial_state``
+    (N, H, K, W): what the state alone contributes. Returns o (sum of lengths, H, W) in run order and, if
+    asked, the final states (N, H, K, W)."""
+    rows_q, rows_k = _gather_runs(q, runs), _gather_runs(k, runs)
+    h, width = initial_state.shape[1], initial_state.shape[-1]
+    zeros = rows_k.new_zeros((rows_k.shape[0], h, width))  # (T_runs, H, W)
+    return recurrence(
+        rows_q,
+        rows_k,
+        zeros,
+        cu_seqlens=_cu(runs),
+        log_decay=log_decay if log_decay is None or log_decay.dim() == 1 else _gather_runs(log_decay, runs),
+        beta=_gather_runs(beta, runs),
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        backend=backend,
+    )
+
+
 def piece_transitions(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -150,19 +181,7 @@ def piece_transitions(
             return log_decay.new_zeros((0, *log_decay.shape[1:]), dtype=state_dtype)
         return torch.stack(sums).exp().to(state_dtype)  # (N, H[, K])
     eye = torch.eye(kd, dtype=state_dtype, device=k.device).expand(len(runs), h, kd, kd)  # (N, H, K, K)
-    rows_q, rows_k = _gather_runs(q, runs), _gather_runs(k, runs)
-    zeros = rows_k.new_zeros((rows_k.shape[0], h, kd))  # (T_runs, H, K): values 0, width K
-    _, final = recurrence(
-        rows_q,
-        rows_k,
-        zeros,
-        cu_seqlens=_cu(runs),
-        log_decay=log_decay if log_decay is None or log_decay.dim() == 1 else _gather_runs(log_decay, runs),
-        beta=_gather_runs(beta, runs),
-        initial_state=eye,
-        output_final_state=True,
-        backend=backend,
-    )
+    _, final = _from_state_alone(q, k, runs, eye, log_decay, beta, 1.0, True, backend)
     return final.to(state_dtype)  # (N, H, K, K)
 
 
@@ -199,17 +218,5 @@ def state_contribution(
                 q_run = q_run * (decay[..., None] if decay.dim() == 2 else decay)
             parts.append(torch.einsum("thk,hkv->thv", q_run.to(state.dtype), state) * scale)  # (n, H, V)
         return torch.cat(parts).to(q.dtype)
-    rows_q, rows_k = _gather_runs(q, runs), _gather_runs(k, runs)
-    zeros = rows_q.new_zeros((rows_q.shape[0], h, vd))  # values 0: only the initial state contributes
-    out, _ = recurrence(
-        rows_q,
-        rows_k,
-        zeros,
-        cu_seqlens=_cu(runs),
-        log_decay=log_decay if log_decay is None or log_decay.dim() == 1 else _gather_runs(log_decay, runs),
-        beta=_gather_runs(beta, runs),
-        scale=scale,
-        initial_state=states,
-        backend=backend,
-    )
+    out, _ = _from_state_alone(q, k, runs, states, log_decay, beta, scale, False, backend)
     return out
