@@ -149,16 +149,16 @@ def test_cuda_backend_sliding_window_matches_reference(variant, case):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_cuda_backend_sinks_match_reference(variant, monkeypatch):
+def test_cuda_backend_sinks_match_reference(variant):
     """Attention sinks (gpt-oss) on every backend: applied to its output and log-sum-exp; its unchanged
     backward fed that lse gives dq, dk, dv; sinks_backward the sinks' gradient (float32 math, bf16 rows)."""
-    backend = _select(variant, monkeypatch)
+    run = _select(variant)
     q_lens, k_lens, window = WINDOW_SHAPES["tasks_1024"]
     q, k, v, dout = _inputs(q_lens, k_lens, seed=3)
     args = (_cu(q_lens), _cu(k_lens), max(q_lens), max(k_lens))
     sinks = torch.linspace(-2.0, 10.0, HQ, device="cuda")  # p_sink from ~0 to ~1 (row lse ~ 7-8 here)
-    out, lse = attention_forward(q, k, v, *args, backend=backend, window=window, sinks=sinks)
-    grads = attention_backward(dout, q, k, v, out, lse, *args, backend=backend, window=window)
+    out, lse = attention_forward(q, k, v, *args, window=window, sinks=sinks, **run)
+    grads = attention_backward(dout, q, k, v, out, lse, *args, window=window, **run)
     leaf = sinks.clone().requires_grad_(True)
     want = _reference(q, k, v, dout, args, window, sinks=leaf)
     _assert_close_to_reference((out, lse, *grads), want, _kv_only_rows(q_lens, k_lens))
@@ -168,19 +168,19 @@ def test_cuda_backend_sinks_match_reference(variant, monkeypatch):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_cuda_backend_softcap_computed_or_refused(variant, monkeypatch):
+def test_cuda_backend_softcap_computed_or_refused(variant):
     """Logit softcapping (Gemma 2): flash_attn (>= 2.6) computes it (checked against the reference); cudnn
     and torch_varlen refuse it, naming flash_attn and reference."""
-    backend = _select(variant, monkeypatch)
+    run = _select(variant)
     q_lens, k_lens, window = WINDOW_SHAPES["tasks_1024"]
     q, k, v, dout = _inputs(q_lens, k_lens, seed=4)
     args = (_cu(q_lens), _cu(k_lens), max(q_lens), max(k_lens))
-    if backend != "flash_attn" or not flash.supports_softcap():
+    if run["backend"] != "flash_attn" or not flash.supports_softcap():
         with pytest.raises(UnsupportedFeatureError, match="'flash_attn'.*'reference'"):
-            attention_forward(q, k, v, *args, backend=backend, window=window, softcap=5.0)
+            attention_forward(q, k, v, *args, window=window, softcap=5.0, **run)
         return
-    out, lse = attention_forward(q, k, v, *args, backend=backend, window=window, softcap=5.0)
-    grads = attention_backward(dout, q, k, v, out, lse, *args, backend=backend, window=window, softcap=5.0)
+    out, lse = attention_forward(q, k, v, *args, window=window, softcap=5.0, **run)
+    grads = attention_backward(dout, q, k, v, out, lse, *args, window=window, softcap=5.0, **run)
     want = _reference(q, k, v, dout, args, window, softcap=5.0)
     _assert_close_to_reference((out, lse, *grads), want, _kv_only_rows(q_lens, k_lens))
 
@@ -204,7 +204,7 @@ def test_cuda_backend_autograd_function(variant, monkeypatch):
     qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
     out = local_attention(qq, kk, vv, *args, backend=backend)
     out.backward(dout)
-    _, lse = attention_forward(q, k, v, *args, **run)
+    _, lse = attention_forward(q, k, v, *args, backend=backend)  # the registry entry holds the options
     got = (out.detach(), lse, qq.grad, kk.grad, vv.grad)
     _assert_close_to_reference(got, _reference(q, k, v, dout, args), _kv_only_rows(q_lens, k_lens))
 
