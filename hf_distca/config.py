@@ -44,7 +44,7 @@ class DistCAConfig:
     """What the planner balances. ``"auto"`` (the default): on CUDA tensors, measured kernel time: the
     table shipped in :mod:`hf_distca.cost_tables` for this GPU model, dtype, head shape and resolved kernel
     backend when there is one (1 x H200, bf16, 32/8 heads x 128, cudnn and torch_varlen), else one measured
-    at the first engine call on the training GPUs (a reduced grid, a few seconds: see
+    at the first engine call on the training GPUs (a reduced grid: 3-7 s on an H200 at 32/8 x 128; see
     :mod:`hf_distca.engine.cost_probe`; every rank plans with the ranks' mean); causal (query, key) pairs
     on the CPU, on one process without a shipped table, and with the reference kernel. A path: the measured
     CA-task time table in that JSON file (written by ``python -m hf_distca.calibrate --out PATH`` on the
