@@ -237,6 +237,12 @@ def train_once(model, ids, pos, distca_layout, weights) -> dict:
     logits = model(input_ids=ids, position_ids=pos, distca_layout=distca_layout, use_cache=False).logits
     loss = (logits[0] * weights).sum()
     loss.backward()
+    return summed_over_ranks(model, loss)
+
+
+def summed_over_ranks(model, loss: torch.Tensor) -> dict:
+    """After a backward of ``loss``: the loss and every parameter gradient summed over the ranks, and this
+    rank's engine metrics."""
     stats = metrics.snapshot()
     total = torch.tensor([float(loss.detach())], dtype=torch.float64)
     dist.all_reduce(total)

@@ -22,7 +22,16 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_distributed
-from test_engine_remat import LAYERS, MODES, assert_grads_close, docs_of, grads_of, tiny_llama, with_mode
+from test_engine_remat import (
+    LAYERS,
+    MODES,
+    assert_grads_close,
+    docs_of,
+    grads_of,
+    summed_over_ranks,
+    tiny_llama,
+    with_mode,
+)
 from tolerances import TOL
 from transformers import DataCollatorWithFlattening
 
@@ -148,7 +157,7 @@ def _expected_stages(layers: int) -> tuple[list[str], list[str]]:
 
 
 def _case(rank: int, world: int) -> dict:
-    from hf_distca.engine import layer_op
+    from hf_distca.engine import stages
 
     base = tiny_llama(seed=7)
     docs = docs_of(LENGTHS, seed=11)
@@ -165,33 +174,28 @@ def _case(rank: int, world: int) -> dict:
             log: list = []
             originals: dict = {}
             if schedule == "interleaved":
-                _wrap_stages(layer_op, originals, log)
+                _wrap_stages(stages, originals, log)
                 try:
                     loss = nano_batch_loss(model, batch, num_items_in_batch=n_targets)
                     loss.backward()
                 finally:
                     for name, fn in originals.items():
-                        setattr(layer_op, name, fn)
+                        setattr(stages, name, fn)
             else:  # the same nano-batches one after the other, through the engine's usual operator
                 loss = sum(model(**nano, num_items_in_batch=n_targets).loss for nano in batch[NANO_BATCHES])
                 loss.backward()
-            stats = metrics.snapshot()
-            total = torch.tensor([float(loss.detach())], dtype=torch.float64)
-            dist.all_reduce(total)
-            grads = grads_of(model)
-            for g in grads.values():
-                dist.all_reduce(g)
-            runs[(mode, schedule)] = {"loss": float(total), "grads": grads, "stats": stats, "log": log}
+            runs[(mode, schedule)] = {**summed_over_ranks(model, loss), "log": log}
     return runs
 
 
-def _wrap_stages(layer_op, originals: dict, log: list) -> None:
-    """Log every stage layer_op runs as (stage, nano-batch) — the nano-batch from the calling thread in
+def _wrap_stages(stages, originals: dict, log: list) -> None:
+    """Log every stage the interleaved nodes (hf_distca/engine/layer_op.py, which call them through the
+    stages module) run as (stage, nano-batch) — the nano-batch from the calling thread in
     forward, from the plan (the object each nano-batch's calls share) in backward."""
     nano_of_prep: dict[int, str] = {}
 
     def wrap(name):
-        original = getattr(layer_op, name)
+        original = getattr(stages, name)
 
         def recorded(prep, *args, **kwargs):
             thread = threading.current_thread().name
@@ -201,7 +205,7 @@ def _wrap_stages(layer_op, originals: dict, log: list) -> None:
             return original(prep, *args, **kwargs)
 
         originals[name] = original
-        setattr(layer_op, name, recorded)
+        setattr(stages, name, recorded)
 
     for name in (
         "dispatch", "compute", "return_outputs", "gather_outputs",

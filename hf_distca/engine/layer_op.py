@@ -30,20 +30,10 @@ import torch
 
 from hf_distca.checkpointing import keep_for_recompute
 from hf_distca.comm import Exchange
+from hf_distca.engine import stages
 from hf_distca.engine.interleave import Interleave
 from hf_distca.engine.prepare import PreparedAttention
-from hf_distca.engine.stages import (
-    GradReturn,
-    compute,
-    compute_backward,
-    dispatch,
-    dispatch_backward,
-    gather_grads,
-    gather_outputs,
-    return_grads,
-    return_outputs,
-    stage_range,
-)
+from hf_distca.engine.stages import GradReturn, stage_range
 
 
 @dataclass
@@ -78,7 +68,7 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, token, call: _Call):  # type: ignore[override]
         with stage_range(f"fwd.dispatch.{call.index}"):
-            call.in_flight = dispatch(call.prep, q, k, v, call.runner.group, async_op=True)
+            call.in_flight = stages.dispatch(call.prep, q, k, v, call.runner.group, async_op=True)
         ctx.call = call
         return _next(token)
 
@@ -86,7 +76,7 @@ class _Dispatch(torch.autograd.Function):
     def backward(ctx, dtoken):  # type: ignore[override]
         call = ctx.call
         with stage_range(f"bwd.wait_return.{call.index}"):
-            dq, dk, dv = gather_grads(call.prep, call.grads, call.kv_dtype)
+            dq, dk, dv = stages.gather_grads(call.prep, call.grads, call.kv_dtype)
         call.grads = None
         return dq, dk, dv, dtoken, None
 
@@ -98,13 +88,13 @@ class _Serve(torch.autograd.Function):
         with stage_range(f"fwd.wait_dispatch.{call.index}"):
             received = call.wait()
         with stage_range(f"fwd.compute.{call.index}"):
-            call.out_kernel, call.lse = compute(
+            call.out_kernel, call.lse = stages.compute(
                 call.prep, q, k, v, received, scale=run.scale, backend=run.backend, softcap=run.softcap,
                 sinks=sinks,
             )  # fmt: skip  # (Tk, Hq, D), (Tk, Hq)
         del received  # the received rows are freed once the kernel has run
         with stage_range(f"fwd.return.{call.index}"):
-            call.in_flight = return_outputs(call.prep, call.out_kernel, run.group, async_op=True)
+            call.in_flight = stages.return_outputs(call.prep, call.out_kernel, run.group, async_op=True)
         ctx.call, ctx.sinks = call, sinks  # the sinks (a leaf parameter) as an attribute, like op.py's
         return _next(token)
 
@@ -116,13 +106,13 @@ class _Serve(torch.autograd.Function):
         with stage_range(f"bwd.wait_dispatch.{call.index}"):
             received = call.wait()
         with stage_range(f"bwd.compute.{call.index}"):
-            *grads, dsinks = compute_backward(
+            *grads, dsinks = stages.compute_backward(
                 call.prep, q, k, v, out, dout, call.lse, received, scale=run.scale, backend=run.backend,
                 softcap=run.softcap, sinks=ctx.sinks,
             )  # fmt: skip  # dq (Tk, Hq, D), dk and dv (Tkv, Hkv, D); this server's share of the sinks' gradient
         del received
         with stage_range(f"bwd.return.{call.index}"):
-            call.grads = return_grads(call.prep, *grads, run.group, async_op=True)
+            call.grads = stages.return_grads(call.prep, *grads, run.group, async_op=True)
         return None, None, None, dtoken, None, dsinks
 
 
@@ -131,7 +121,7 @@ class _Return(torch.autograd.Function):
     def forward(ctx, q, k, v, token, call: _Call):  # type: ignore[override]
         with stage_range(f"fwd.wait_return.{call.index}"):
             returned = call.wait()
-        out = gather_outputs(call.prep, call.out_kernel, returned)  # (T_local, Hq, D)
+        out = stages.gather_outputs(call.prep, call.out_kernel, returned)  # (T_local, Hq, D)
         call.out_kernel = None
         keep_for_recompute(out, call.lse, call.runner)
         ctx.save_for_backward(q, k, v, out)
@@ -145,7 +135,7 @@ class _Return(torch.autograd.Function):
         dout = dout.contiguous()
         call.backward_inputs = (q, k, v, out, dout)
         with stage_range(f"bwd.dispatch.{call.index}"):
-            call.in_flight = dispatch_backward(
+            call.in_flight = stages.dispatch_backward(
                 call.prep, q, k, v, out, dout, call.runner.group, async_op=True
             )
         return None, None, None, dtoken, None
