@@ -19,9 +19,11 @@ bandwidth per GPU) and prices every rank's work:
   ``distca-pingpong`` / ``distca-comm-pingpong`` (those plans under attention-level ping-pong,
   ``DistCAConfig(ping_pong=True)``: the engine's nano-batches inside each attention call,
   hf_distca.planning.nano) and ``distca-layers`` / ``distca-comm-layers`` (layer-level ping-pong: the
-  micro-batch's whole documents in two nano-batches of about equal estimated cost, :func:`nano_documents`,
-  each laid out over all ranks and planned on its own, run through the layers as coroutines that switch at
-  the attention function; modelled from its specification while the engine's version is being built).
+  micro-batch's whole documents in two nano-batches of about equal estimated cost, each laid out over all
+  ranks at the same tokens per rank and planned on its own, as the data path does:
+  :func:`hf_distca.data.nano.split_documents` and :func:`~hf_distca.data.nano.nano_tokens_per_rank`; a
+  micro-batch of one document runs whole, serial; run through the layers as coroutines that switch at the
+  attention function).
 - core attention: every CA-task (queries [a, b) of a document over keys [0, b)) costs its causal
   (query, key) pairs over the measured rate of its shape, per layer: forward + backward (the
   ``remat`` recompute mode, rematerialization-aware checkpointing: attention is not run again) or
@@ -91,7 +93,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hf_distca.config import DistCAConfig
-from hf_distca.data.baselines import LAYOUTS, LINEAR_PAIRS_PER_TOKEN
+from hf_distca.data.baselines import LAYOUTS
+from hf_distca.data.nano import nano_tokens_per_rank, split_documents
 from hf_distca.planning import MeasuredCost, plan_core_attention
 from hf_distca.planning import schedule as schedule_ops
 from hf_distca.planning.cost import causal_pairs
@@ -456,22 +459,6 @@ def planner_config(system: System, s: Setting, tolerance: float | None = None) -
     return DistCAConfig(**fields)
 
 
-def nano_documents(lengths: Sequence[int], nanos: int = 2) -> list[list[int]]:
-    """The data path of layer-level ping-pong: the micro-batch's documents (whole) in ``nanos`` groups of
-    about equal estimated cost (layout_balanced's: LINEAR_PAIRS_PER_TOKEN per token plus causal pairs),
-    so about equal tokens and attention work; most expensive first, each to the cheapest group (ties:
-    fewer tokens, lower index). Returns each group's lengths in the micro-batch's order."""
-    cost = [LINEAR_PAIRS_PER_TOKEN * n + causal_pairs(0, n) for n in lengths]
-    load, tokens = [0.0] * nanos, [0] * nanos
-    groups: list[list[int]] = [[] for _ in range(nanos)]
-    for i in sorted(range(len(lengths)), key=lambda i: (-cost[i], i)):
-        j = min(range(nanos), key=lambda j: (load[j], tokens[j], j))
-        groups[j].append(i)
-        load[j] += cost[i]
-        tokens[j] += int(lengths[i])
-    return [[int(lengths[i]) for i in sorted(g)] for g in groups]
-
-
 def plan_layout(
     system: System, lengths: Sequence[int], s: Setting, tokens_per_rank: int, tolerance: float | None = None
 ):
@@ -500,28 +487,24 @@ def _planned(layout_name, disaggregate, lengths, world, tokens_per_rank, config,
     return pieces, plan, time.process_time() - began
 
 
-def nano_budgets(groups: Sequence[Sequence[int]], world: int, tokens_per_rank: int) -> list[int]:
-    """Tokens per rank of each nano-batch: as many as its documents need (rounded up), the last one the
-    rest of the micro-batch's budget, so that the nano-batches pad as much as the whole would (no fewer
-    tokens to compute than the other systems); more only where its documents need more."""
-    need = [max(1, math.ceil(sum(g) / world)) for g in groups]
-    return need[:-1] + [max(need[-1], tokens_per_rank - sum(need[:-1]))]
-
-
 def simulate_micro_batch(
     system: System, lengths: Sequence[int], s: Setting, tolerance: float | None = None
 ) -> MicroBatch:
     """One micro-batch of ``system``; ``tolerance``: the planner's (default DistCAConfig's)."""
     if system.schedule == "layers":  # nano-batches of whole documents, each laid out and planned
-        groups = [g for g in nano_documents(lengths, system.nanos) if sum(g)]
-        plans, plan_s = [], 0.0
-        for group, budget in zip(groups, nano_budgets(groups, s.world, s.tokens_per_rank), strict=True):
-            _, plan, seconds = plan_layout(system, group, s, budget, tolerance)
-            plans.append(plan)
-            plan_s += seconds
-        mb = price_plans(plans, s, "layers", backward=system.backward)
-        mb.plan_s = plan_s
-        return mb
+        split = split_documents(lengths, system.nanos)  # as the data path (hf_distca.data.nano)
+        if split is not None:
+            groups = [[int(lengths[i]) for i in g] for g in split]
+            tokens_per_rank = nano_tokens_per_rank(groups, s.world)
+            plans, plan_s = [], 0.0
+            for group in groups:
+                _, plan, seconds = plan_layout(system, group, s, tokens_per_rank, tolerance)
+                plans.append(plan)
+                plan_s += seconds
+            mb = price_plans(plans, s, "layers")
+            mb.plan_s = plan_s
+            return mb
+        system = dataclasses.replace(system, schedule="serial")  # too few documents: the engine runs it whole
     pieces, plan, plan_s = plan_layout(system, lengths, s, s.tokens_per_rank, tolerance)
     if plan is None:  # every piece its own sequence, ranks meet only at the gradient reduction
         layers = s.model.layers

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from hf_distca.data import DistCABatches, layout_pieces
+from hf_distca.data.nano import nano_tokens_per_rank, split_documents
 from hf_distca.planning import plan_core_attention
 from hf_distca.planning.cost import causal_pairs
 
@@ -250,30 +251,23 @@ def test_comm_aware_planner_in_the_simulator(monkeypatch):
 
 
 def test_layer_ping_pong_nano_batches_and_schedule():
-    """The data path of layer-level ping-pong: whole documents in groups of about equal cost whose budgets
-    add up to the micro-batch's; its schedule hides exchanges the serial one exposes."""
-    lengths = [12000, 300, 5000, 4000, 256, 256, 3000]
-    groups = sim.nano_documents(lengths)
-    assert sorted(n for g in groups for n in g) == sorted(lengths)
-    assert [12000] in groups  # the costliest document alone against all the others
-    cost = [sum(sim.LINEAR_PAIRS_PER_TOKEN * n + causal_pairs(0, n) for n in g) for g in groups]
-    assert max(cost) / min(cost) < 2.0
-    assert sim.nano_budgets([[3000, 1000], [500]], 4, 2048) == [1000, 1048]  # pads as the whole would
-    assert sim.nano_budgets([[500], [8000]], 4, 2048) == [125, 2000]  # more only where documents need it
-    steps = [[[12000, 5000, 4000, 3000] + [256] * 8]]
+    """The data path of layer-level ping-pong (hf_distca.data.nano: whole documents in groups of about
+    equal cost, all laid out at the same tokens per rank); its schedule hides exchanges the serial one
+    exposes; a micro-batch of one document runs whole."""
+    steps = [[[12000, 6720, 5000, 4000, 3000] + [256] * 8]]  # 32768 tokens: the whole budget, no padding
     s = setting(world=8, tokens_per_rank=4096, gpus_per_node=4, inter_gibps=40.0)
-    r = sim.simulate(
-        ["exact-unbalanced", "distca", "distca-comm-layers", "distca-comm-layers-mirror"], steps, s
-    )
-    serial, layers, mirror = r["distca"], r["distca-comm-layers"], r["distca-comm-layers-mirror"]
+    r = sim.simulate(["exact-unbalanced", "distca", "distca-comm-layers"], steps, s)
+    serial, layers = r["distca"], r["distca-comm-layers"]
     assert layers.ideal_step_s == serial.ideal_step_s
-    assert layers.step_s >= layers.ideal_step_s
+    assert layers.step_s >= layers.ideal_step_s  # the nano-batches pad to at least the whole budget
     assert layers.exposed_comm_s < 0.5 * layers.comm_s  # most of it hidden
-    assert mirror.comm_s == layers.comm_s and mirror.exposed_comm_s <= layers.exposed_comm_s
     assert serial.exposed_comm_s == pytest.approx(serial.comm_s, rel=1e-6)  # all of it exposed
+    lengths = steps[0][0]
+    groups = [[lengths[i] for i in g] for g in split_documents(lengths, 2)]
+    tokens = nano_tokens_per_rank(groups, s.world)
+    plans = [sim.plan_layout(sim.SYSTEM_SPECS["distca-comm-layers"], g, s, tokens)[1] for g in groups]
+    assert sim.price_plans(plans, s, "layers").step_s == pytest.approx(layers.step_s, rel=REL)  # the same
+    alone = sim.simulate(["distca", "distca-layers"], [[[30000]]], s)  # one document: no nano-batches
+    assert alone["distca-layers"].step_s == alone["distca"].step_s
     with pytest.raises(ValueError, match="plans for the 'serial' schedule"):
-        mb_plans = [
-            sim.plan_layout(sim.SYSTEM_SPECS["distca"], g, s, 2048)[1]
-            for g in sim.nano_documents(steps[0][0])
-        ]
-        sim.price_plans(mb_plans, s, "serial")
+        sim.price_plans(plans, s, "serial")
