@@ -182,8 +182,6 @@ class System:
     """Nano-batches of layer-level ping-pong."""
     shard_tokens: int | None = None
     """The planner's shard granularity (None: DistCAConfig's)."""
-    backward: str = "spec"
-    """Layer-level ping-pong's backward order (hf_distca.planning.schedule.layer_ping_pong)."""
 
 
 SYSTEM_SPECS = {
@@ -205,10 +203,7 @@ SYSTEM_SPECS = {
         "distca-comm-layers-shard1k", "distca", True, True, "layers", True, shard_tokens=1024
     ),
 }
-SYSTEM_SPECS["distca-comm-layers-mirror"] = System(
-    "distca-comm-layers-mirror", "distca", True, True, "layers", True, backward="mirror"
-)  # backward that mirrors the forward: a nano's return flies during the others' whole layer backward
-EXPLORATIONS = ("distca-comm-layers4", "distca-comm-layers-shard1k", "distca-comm-layers-mirror")
+EXPLORATIONS = ("distca-comm-layers4", "distca-comm-layers-shard1k")
 
 
 @dataclass(frozen=True)
@@ -544,14 +539,14 @@ def price_plan(plan, s: Setting, schedule: str = "serial") -> MicroBatch:
 
 
 def price_plans(
-    plans: Sequence, s: Setting, schedule: str = "serial", split: str | None = None, backward: str = "spec"
+    plans: Sequence, s: Setting, schedule: str = "serial", split: str | None = None
 ) -> MicroBatch:
     """A micro-batch run through DistCA's engine: ``plans`` one per nano-batch (several only for
     'layers'), timed on their schedule (hf_distca.planning.schedule): per rank and layer the
     non-attention work before attention (``pre_share``) and after it, the server's kernels per part, and
     per part and phase an all-to-all lasting as long as its slowest rank (:meth:`Links.phase_seconds`
     of the traffic ledger's bytes). ``split``: the attention-level nano-batch split (default
-    DistCAConfig's); ``backward``: layer-level ping-pong's backward order."""
+    DistCAConfig's)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     if schedule != "layers" and len(plans) != 1:
@@ -602,7 +597,7 @@ def price_plans(
             inter += layers * sum(float(m[across].sum()) for m in layer_phases)
         fanout = max(fanout, kv_fanout(plan))
     if schedule == "layers":
-        ops = schedule_ops.layer_ping_pong(layers, len(plans), backward)
+        ops = schedule_ops.layer_ping_pong(layers, len(plans))
     else:
         ops = schedule_ops.serial(layers, nparts, s.recompute)
     timing = schedule_ops.run_schedule(ops, compute, comm, world)
@@ -877,13 +872,13 @@ def write_report(rows: list[Row], info: dict, args, command: str) -> str:
         "distca-pingpong and distca-comm-pingpong (those plans run with attention-level ping-pong, "
         "DistCAConfig(ping_pong=True), its default split: nano-batches inside each attention call, messages "
         "hidden only behind kernels of the same call), distca-layers and distca-comm-layers (layer-level "
-        "ping-pong: the micro-batch's whole documents in two nano-batches of about equal estimated cost "
-        "(nano_documents), each laid out over all ranks and planned on its own, run through the layers as "
-        "coroutines: while one nano-batch's messages fly the other runs its projections, MLP or layer "
-        "backward; modelled from its specification, the engine is being built). Ideal: the exact computation "
-        "perfectly "
-        "balanced with no exposed "
-        "communication. 'share of ideal gain': (speedup - 1) / (ideal speedup - 1), both against "
+        "ping-pong, DistCAConfig(layer_ping_pong=True), not DistCA's default: the micro-batch's whole "
+        "documents in two nano-batches of about equal estimated cost, each laid out over all ranks at the "
+        "same tokens per rank and planned on its own, as the data path does (hf_distca.data.nano), run "
+        "through the layers as coroutines in the engine's order (hf_distca.planning.schedule.layer_ping_pong, "
+        "asserted against the engine's stages by tests/test_layer_ping_pong.py): while one nano-batch's "
+        "messages fly the other runs its projections, MLP or layer backward). Ideal: the exact computation "
+        "perfectly balanced with no exposed communication. 'share of ideal gain': (speedup - 1) / (ideal speedup - 1), both against "
         "exact-unbalanced.",
         "",
         "## DistCA against the ideal",

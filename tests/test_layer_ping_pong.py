@@ -11,8 +11,8 @@
   checkpointing, plain recompute and rematerialization-aware checkpointing (which runs no attention
   forward in backward); the engine's bytes and kernel runs equal the serial run's; and the stages ran in
   the interleaved order in forward AND backward (the chain of engine nodes): nano-batch A's dispatch is in
-  flight while B computes, and so on (the exact sequence is derived from the rule in
-  hf_distca/engine/layer_op.py).
+  flight while B computes, and so on (the exact sequence is the simulator's schedule,
+  hf_distca.planning.schedule.layer_ping_pong: what benchmarks/simulate.py times is what the engine runs).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from hf_distca.data import DistCABatches
 from hf_distca.data.nano import NANO_BATCHES, nano_tokens_per_rank, split_documents
 from hf_distca.engine import interleave
 from hf_distca.planning.cost import LINEAR_PAIRS_PER_TOKEN, causal_pairs
+from hf_distca.planning.schedule import layer_ping_pong
 
 LENGTHS = [150, 40, 25, 9, 31, 60, 70]
 TOKENS_PER_RANK = 256
@@ -144,26 +145,30 @@ def test_nano_batches_refused_by_a_plain_forward():
 
 
 # ------------------------------------------------------------------------------------ 2 processes
+ENGINE_STAGES = {
+    ("start", "fwd.dispatch"): "dispatch",
+    ("compute", "kernel", "fwd"): "compute",
+    ("start", "fwd.return"): "return_outputs",
+    ("wait", "fwd.return"): "gather_outputs",
+    ("start", "bwd.dispatch"): "dispatch_backward",
+    ("compute", "kernel", "bwd"): "compute_backward",
+    ("start", "bwd.return"): "return_grads",
+    ("wait", "bwd.return"): "gather_grads",
+}
+"""The engine stage (hf_distca/engine/layer_op.py) each operation of the simulator's schedule stands for;
+the other operations (layer work, waits for a dispatch) have none."""
+
+
 def _expected_stages(layers: int) -> tuple[list[str], list[str]]:
-    """The stages' order in forward and backward from the rule of hf_distca/engine/layer_op.py: nodes
-    D (dispatch), S (kernel, return) and R (gather) per layer and nano-batch, created in the order the
-    turns take; backward runs them in reverse."""
-    nodes = [("D", "A", 0), ("D", "B", 0)]
-    for layer in range(layers):
-        nodes += [("S", "A", layer), ("S", "B", layer), ("R", "A", layer)]
-        if layer + 1 < layers:
-            nodes.append(("D", "A", layer + 1))
-        nodes.append(("R", "B", layer))
-        if layer + 1 < layers:
-            nodes.append(("D", "B", layer + 1))
-    forward_stages = {"D": ["dispatch"], "S": ["compute", "return_outputs"], "R": ["gather_outputs"]}
-    backward_stages = {
-        "R": ["dispatch_backward"],
-        "S": ["compute_backward", "return_grads"],
-        "D": ["gather_grads"],
-    }
-    fwd = [f"{s}.{nano}{layer}" for kind, nano, layer in nodes for s in forward_stages[kind]]
-    bwd = [f"{s}.{nano}{layer}" for kind, nano, layer in reversed(nodes) for s in backward_stages[kind]]
+    """The stages' order in forward and backward as the simulator's schedule
+    (hf_distca.planning.schedule.layer_ping_pong) has it, ``stage.<nano><layer>`` with nano-batch 0 as A:
+    the engine must run exactly this order, so the simulator times what the engine does."""
+    fwd, bwd = [], []
+    for op in layer_ping_pong(layers):
+        key = (op.kind, op.name, op.pass_) if op.kind == "compute" else (op.kind, op.name)
+        stage = ENGINE_STAGES.get(key)
+        if stage is not None:
+            (bwd if op.pass_ == "bwd" else fwd).append(f"{stage}.{'AB'[op.nano]}{op.layer}")
     return fwd, bwd
 
 
