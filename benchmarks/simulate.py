@@ -32,7 +32,10 @@ bandwidth per GPU) and prices every rank's work:
   the measured rate of whole documents as long as its query shard, so short shards over long prefixes
   are priced conservatively; the forward alone from the measured forward times), or ``--kernel-table``,
   a JSON table written by ``python -m hf_distca.calibrate`` (q_len x kv_len -> seconds of a task,
-  forward+backward; the forward alone is then taken as 1/3.5 of it, the FLOP ratio).
+  forward+backward; the forward alone is then taken as 1/3.5 of it, the FLOP ratio), e.g. the shipped
+  hf_distca/cost_tables/h200_bf16_32x8x128_torch_varlen.json. With such a table the DistCA systems also
+  plan with it, as the engine does on an H200 (``DistCAConfig(cost_table="auto")``: measured kernel time,
+  not pairs); with the whole-document rows they plan causal pairs (:func:`planner_config`).
 - everything else (projections, MLP, norms, LM head and loss, optimizer), linear in tokens:
   ``layers x per_layer + fixed`` seconds per token, fitted to this project's H200 measurements
   (the project design notes, DESIGN.md "Measured": a 4-layer Llama-3-8B-shaped stack took 1.33 / 1.52 / 2.23 / 3.18 s
@@ -247,10 +250,15 @@ class ModelShape:
 class KernelTable:
     """Seconds of one layer's core attention of a CA-task, forward and forward+backward."""
 
-    def __init__(self, forward: MeasuredCost, forward_backward: MeasuredCost, source: str):
+    def __init__(
+        self, forward: MeasuredCost, forward_backward: MeasuredCost, source: str, path: str | None = None
+    ):
         self.forward = forward
         self.forward_backward = forward_backward
         self.source = source
+        self.path = path
+        """The measured (q_len, kv_len) JSON table it was read from (None: whole-document rows), which
+        the DistCA systems' planner then balances too (:func:`planner_config`)."""
 
     @classmethod
     def from_kernel_rows(cls, rows=KERNELS_H200, source: str = KERNELS_H200_SOURCE) -> KernelTable:
@@ -285,6 +293,7 @@ class KernelTable:
             MeasuredCost(data["q_lens"], data["kv_lens"], fwd),
             MeasuredCost(data["q_lens"], data["kv_lens"], fwd_bwd),
             source,
+            os.path.abspath(path),
         )
 
     @functools.lru_cache(maxsize=1 << 16)  # noqa: B019 - one table per run, shapes repeat
@@ -438,10 +447,15 @@ def planner_config(system: System, s: Setting, tolerance: float | None = None) -
     """The DistCAConfig a system's planner runs with: ``tolerance`` (default DistCAConfig's), no move
     without balancing, and for ``comm_aware`` systems the simulated links: ``link_gib_per_s`` the
     inter-node bandwidth, ``ranks_per_node`` the GPUs per node, ``intra_node_gib_per_s`` the intra-node
-    all-to-all's bandwidth at 256 MiB per rank (the planner takes one flat figure per link class)."""
+    all-to-all's bandwidth at 256 MiB per rank (the planner takes one flat figure per link class). What
+    it balances: the kernel table the step is timed with when that is a measured (q_len, kv_len) JSON
+    (``--kernel-table``, ``cost_table=`` its path: what ``cost_table="auto"`` gives the engine on an H200
+    with bf16 32/8 x 128 heads, the shipped hf_distca/cost_tables/h200_bf16_32x8x128_*.json), else causal
+    pairs (``cost_table=None``; the whole-document rows are no (q_len, kv_len) table)."""
     fields = {
         "tolerance": DistCAConfig().tolerance if tolerance is None else tolerance,
         "max_planner_moves": DistCAConfig().max_planner_moves if system.balance else 0,
+        "cost_table": s.kernels.path,
     }
     if system.shard_tokens is not None:
         fields["shard_tokens"] = system.shard_tokens
@@ -784,7 +798,13 @@ def run_grid(args, log=print) -> tuple[list[Row], dict]:
     for row in rows:
         log(f"{row.workload} {row.tokens_per_rank} x {row.world} GPUs, inter {row.inter_gibps}: "
             + ", ".join(f"{k} {r.step_s:.2f}s" for k, r in row.results.items()))  # fmt: skip
-    info = {"model": model, "kernels": kernels.source, "linear": linear, "intra": intra}
+    info = {
+        "model": model,
+        "kernels": kernels.source,
+        "linear": linear,
+        "intra": intra,
+        "planner_table": kernels.path is not None,
+    }
     return rows, info
 
 
@@ -857,9 +877,17 @@ def write_report(rows: list[Row], info: dict, args, command: str) -> str:
         "layer-level ping-pong for the *-pingpong and *-layers systems. Each layer's non-attention work is "
         f"split {FORWARD_SHARE:g} forward / {1 - FORWARD_SHARE:g} backward with its recompute, and "
         "before / after attention by matmul weights (QKV against o_proj and MLP)",
+        "- what the DistCA systems' planner balances: "
+        + (
+            "the kernel table above, DistCAConfig(cost_table=its path): measured kernel time, as "
+            'cost_table="auto" (the default) plans on an H200 with bf16 32/8 x 128 heads'
+            if info["planner_table"]
+            else "causal pairs, DistCAConfig(cost_table=None) (the whole-document rows are no (q_len, kv_len) "
+            "table), priced at the default attention_tflops=300 (forward+backward) where communication is priced"
+        ),
         "- distca-comm's planner: DistCAConfig(link_gib_per_s=the inter-node figure, ranks_per_node="
-        f"{args.gpus_per_node}, intra_node_gib_per_s=the intra-node all-to-all at 256 MiB per rank), causal "
-        "pairs priced at the default attention_tflops=300 (forward+backward), comm_overlap=0",
+        f"{args.gpus_per_node}, intra_node_gib_per_s=the intra-node all-to-all at 256 MiB per rank), "
+        "comm_overlap=0",
         "",
         "Systems: hf-default (each rank packs whole documents in order, attention local to each piece; "
         "documents longer than the budget become independent chunks: **the math differs**), "

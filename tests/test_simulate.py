@@ -61,6 +61,11 @@ def test_kernel_table_from_a_calibrate_json(tmp_path):
     fwd, fwd_bwd = table.task_seconds(1024, 1024)
     assert fwd_bwd == pytest.approx(4e-4, rel=REL) and fwd == pytest.approx(4e-4 / 3.5, rel=REL)
     assert "X" in table.source
+    # the DistCA systems plan with the table they are timed with, as cost_table="auto" does on an H200
+    s = sim.Setting(2, 1024, sim.ModelShape(layers=2), table, sim.Links(), sim.LinearCost.from_measurements())
+    assert sim.planner_config(sim.SYSTEM_SPECS["distca"], s).cost_table == str(path)
+    r = sim.simulate(["exact-unbalanced", "distca"], [[[1024, 128, 128]]], s)
+    assert r["distca"].step_s >= r["distca"].ideal_step_s > 0  # it plans and runs with that table
     path.write_text(json.dumps({"q_lens": lens}))
     with pytest.raises(ValueError, match="not a cost table"):
         sim.KernelTable.from_json(str(path))
@@ -237,6 +242,7 @@ def test_comm_aware_planner_in_the_simulator(monkeypatch):
     assert (config.link_gib_per_s, config.ranks_per_node) == (5.0, 4)
     assert config.intra_node_gib_per_s == pytest.approx(260.0, rel=1e-9)  # the 256 MiB point
     assert sim.planner_config(sim.SYSTEM_SPECS["distca"], s).link_gib_per_s is None
+    assert config.cost_table is None  # whole-document rows: the planner balances causal pairs
     monkeypatch.setitem(sim.SYSTEM_SPECS, "tokens", sim.System("tokens", "tokens", True, True))
     monkeypatch.setitem(
         sim.SYSTEM_SPECS, "tokens-comm", sim.System("tokens-comm", "tokens", True, True, comm_aware=True)
