@@ -2,8 +2,8 @@
 
 Pure Python/NumPy, no processes: the kernel table reproduces its measurements, the link model its
 bandwidth points, the traffic matrices the planner's own byte counts, the linear fit its inputs, and
-a whole simulation the invariants that hold for any batch (one GPU: every exact system equals the
-ideal; the ideal bounds every exact system; DistCA never balances worse than the layout it starts
+a whole simulation the invariants that hold for any batch (one GPU, no padding: every exact system
+equals the ideal; the ideal bounds every exact system; DistCA never balances worse than the layout it starts
 from). The workloads replay exactly the documents and batches the recipe trains on.
 """
 
@@ -127,15 +127,20 @@ def test_model_flops_of_llama3_8b_shape():
 
 
 def test_one_gpu_every_exact_system_is_the_ideal():
-    steps = [[[3000, 2000, 1500, 900]], [[8000]]]
-    results = sim.simulate(sim.SYSTEMS, steps, setting(world=1, tokens_per_rank=8192))
+    steps = [[[3000, 2000, 1500, 1692]], [[8192]]]  # full micro-batches: no padding
+    s = setting(world=1, tokens_per_rank=8192)
+    results = sim.simulate(sim.SYSTEMS, steps, s)
     for name in ("exact-unbalanced", "balanced", "distca"):
         r = results[name]
         assert r.exposed_comm_s == 0 and r.imbalance == 1.0
         assert r.step_s == pytest.approx(r.ideal_step_s, rel=REL)
+    # padding is work of the system, not of the ideal
+    padded = sim.simulate(["exact-unbalanced"], [[[3000, 2000]]], s)["exact-unbalanced"]
+    pad = s.linear.seconds(8192 - 5000, 4) + 4 * sim._task_seconds(s, 8192 - 5000, 8192 - 5000)
+    assert padded.step_s == pytest.approx(padded.ideal_step_s + pad, rel=1e-6)
     # tokens/s counts real tokens; MFU = model FLOPs over time x peak
     r = results["distca"]
-    assert r.tokens_per_s == pytest.approx((7400 + 8000) / (2 * r.step_s), rel=REL)
+    assert r.tokens_per_s == pytest.approx((8192 + 8192) / (2 * r.step_s), rel=REL)
     flops = sum(sim.ModelShape(layers=4).model_flops(mb) for step in steps for mb in step)
     assert r.mfu == pytest.approx(flops / (2 * r.step_s * 989e12), rel=REL)
 
