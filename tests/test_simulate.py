@@ -19,7 +19,7 @@ import pytest
 
 from hf_distca.data import DistCABatches, layout_pieces
 from hf_distca.data.nano import nano_tokens_per_rank, split_documents
-from hf_distca.planning import plan_core_attention
+from hf_distca.planning import MeasuredCost, plan_core_attention
 from hf_distca.planning.cost import causal_pairs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,7 +51,7 @@ def test_kernel_table_reproduces_the_measured_rows():
     assert fwd == pytest.approx(causal_pairs(6144, 8192) / rate_2k, rel=REL)
 
 
-def test_kernel_table_from_a_calibrate_json(tmp_path):
+def test_kernel_table_from_a_calibrate_json(tmp_path, monkeypatch):
     path = tmp_path / "table.json"
     lens = [128, 1024]
     seconds = [[1e-5, 2e-4], [None, 4e-4]]
@@ -64,8 +64,14 @@ def test_kernel_table_from_a_calibrate_json(tmp_path):
     # the DistCA systems plan with the table they are timed with, as cost_table="auto" does on an H200
     s = sim.Setting(2, 1024, sim.ModelShape(layers=2), table, sim.Links(), sim.LinearCost.from_measurements())
     assert sim.planner_config(sim.SYSTEM_SPECS["distca"], s).cost_table == str(path)
+    seen = []
+    planner = sim.plan_core_attention
+    monkeypatch.setattr(
+        sim, "plan_core_attention", lambda *a, **k: seen.append(k["cost_model"]) or planner(*a, **k)
+    )
     r = sim.simulate(["exact-unbalanced", "distca"], [[[1024, 128, 128]]], s)
-    assert r["distca"].step_s >= r["distca"].ideal_step_s > 0  # it plans and runs with that table
+    assert r["distca"].step_s >= r["distca"].ideal_step_s > 0
+    assert seen and all(isinstance(c, MeasuredCost) and c.timed == "forward+backward" for c in seen)
     path.write_text(json.dumps({"q_lens": lens}))
     with pytest.raises(ValueError, match="not a cost table"):
         sim.KernelTable.from_json(str(path))
