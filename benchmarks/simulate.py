@@ -19,9 +19,11 @@ bandwidth per GPU) and prices every rank's work:
   ``distca-pingpong`` / ``distca-comm-pingpong`` (those plans under attention-level ping-pong,
   ``DistCAConfig(ping_pong=True)``: the engine's nano-batches inside each attention call,
   hf_distca.planning.nano) and ``distca-layers`` / ``distca-comm-layers`` (layer-level ping-pong: the
-  micro-batch's whole documents in two nano-batches of about equal estimated cost, :func:`nano_documents`,
-  each laid out over all ranks and planned on its own, run through the layers as coroutines that switch at
-  the attention function; modelled from its specification while the engine's version is being built).
+  micro-batch's whole documents in two nano-batches of about equal estimated cost, each laid out over all
+  ranks at the same tokens per rank and planned on its own, as the data path does:
+  :func:`hf_distca.data.nano.split_documents` and :func:`~hf_distca.data.nano.nano_tokens_per_rank`; a
+  micro-batch of one document runs whole, serial; run through the layers as coroutines that switch at the
+  attention function).
 - core attention: every CA-task (queries [a, b) of a document over keys [0, b)) costs its causal
   (query, key) pairs over the measured rate of its shape, per layer: forward + backward (the
   ``remat`` recompute mode, rematerialization-aware checkpointing: attention is not run again) or
@@ -30,7 +32,10 @@ bandwidth per GPU) and prices every rank's work:
   the measured rate of whole documents as long as its query shard, so short shards over long prefixes
   are priced conservatively; the forward alone from the measured forward times), or ``--kernel-table``,
   a JSON table written by ``python -m hf_distca.calibrate`` (q_len x kv_len -> seconds of a task,
-  forward+backward; the forward alone is then taken as 1/3.5 of it, the FLOP ratio).
+  forward+backward; the forward alone is then taken as 1/3.5 of it, the FLOP ratio), e.g. the shipped
+  hf_distca/cost_tables/h200_bf16_32x8x128_torch_varlen.json. With such a table the DistCA systems also
+  plan with it, as the engine does on an H200 (``DistCAConfig(cost_table="auto")``: measured kernel time,
+  not pairs); with the whole-document rows they plan causal pairs (:func:`planner_config`).
 - everything else (projections, MLP, norms, LM head and loss, optimizer), linear in tokens:
   ``layers x per_layer + fixed`` seconds per token, fitted to this project's H200 measurements
   (the project design notes, DESIGN.md "Measured": a 4-layer Llama-3-8B-shaped stack took 1.33 / 1.52 / 2.23 / 3.18 s
@@ -58,8 +63,10 @@ bandwidth per GPU) and prices every rank's work:
   synchronises at the gradient reduction: max over ranks of its summed work. Gradient all-reduce is the same
   for every system and left out. The serial schedule is what benchmarks/check_simulator.py checks against
   the 1-2 GPU measurements.
-- ideal bound: perfect balance and no exposed communication: the exact computation's total work
-  (exact-unbalanced's busy time summed over ranks) divided by the number of GPUs.
+- ideal bound: perfect balance and no exposed communication: the exact computation's total work of the
+  real tokens (:func:`ideal_work`: no padding, every document's attention whole in one kernel) divided by
+  the number of GPUs. Padding (a micro-batch's, or under layer-level ping-pong each nano-batch's, tokens
+  per rank beyond its documents) is work of the system, in its 'kernels' part of the gap.
 - MFU: model FLOPs of the step (6 x matmul parameters per real token, plus causal attention 3 x 4 x
   heads x head_dim per (query, key) pair per layer, exact for every system) over step time x GPUs x
   989 TFLOP/s. tokens/s counts real (not padding) tokens.
@@ -91,10 +98,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hf_distca.config import DistCAConfig
-from hf_distca.data.baselines import LAYOUTS, LINEAR_PAIRS_PER_TOKEN
+from hf_distca.data.baselines import LAYOUTS
+from hf_distca.data.nano import nano_tokens_per_rank, split_documents
 from hf_distca.planning import MeasuredCost, plan_core_attention
 from hf_distca.planning import schedule as schedule_ops
-from hf_distca.planning.cost import causal_pairs
+from hf_distca.planning.cost import causal_pairs, cost_model_from_config
 from hf_distca.planning.links import attention_flops_per_pair
 from hf_distca.planning.nano import nano_plans
 from hf_distca.planning.traffic import (
@@ -179,8 +187,6 @@ class System:
     """Nano-batches of layer-level ping-pong."""
     shard_tokens: int | None = None
     """The planner's shard granularity (None: DistCAConfig's)."""
-    backward: str = "spec"
-    """Layer-level ping-pong's backward order (hf_distca.planning.schedule.layer_ping_pong)."""
 
 
 SYSTEM_SPECS = {
@@ -202,10 +208,7 @@ SYSTEM_SPECS = {
         "distca-comm-layers-shard1k", "distca", True, True, "layers", True, shard_tokens=1024
     ),
 }
-SYSTEM_SPECS["distca-comm-layers-mirror"] = System(
-    "distca-comm-layers-mirror", "distca", True, True, "layers", True, backward="mirror"
-)  # backward that mirrors the forward: a nano's return flies during the others' whole layer backward
-EXPLORATIONS = ("distca-comm-layers4", "distca-comm-layers-shard1k", "distca-comm-layers-mirror")
+EXPLORATIONS = ("distca-comm-layers4", "distca-comm-layers-shard1k")
 
 
 @dataclass(frozen=True)
@@ -249,10 +252,15 @@ class ModelShape:
 class KernelTable:
     """Seconds of one layer's core attention of a CA-task, forward and forward+backward."""
 
-    def __init__(self, forward: MeasuredCost, forward_backward: MeasuredCost, source: str):
+    def __init__(
+        self, forward: MeasuredCost, forward_backward: MeasuredCost, source: str, path: str | None = None
+    ):
         self.forward = forward
         self.forward_backward = forward_backward
         self.source = source
+        self.path = path
+        """The measured (q_len, kv_len) JSON table it was read from (None: whole-document rows), which
+        the DistCA systems' planner then balances too (:func:`planner_config`)."""
 
     @classmethod
     def from_kernel_rows(cls, rows=KERNELS_H200, source: str = KERNELS_H200_SOURCE) -> KernelTable:
@@ -287,6 +295,7 @@ class KernelTable:
             MeasuredCost(data["q_lens"], data["kv_lens"], fwd),
             MeasuredCost(data["q_lens"], data["kv_lens"], fwd_bwd),
             source,
+            os.path.abspath(path),
         )
 
     @functools.lru_cache(maxsize=1 << 16)  # noqa: B019 - one table per run, shapes repeat
@@ -440,10 +449,15 @@ def planner_config(system: System, s: Setting, tolerance: float | None = None) -
     """The DistCAConfig a system's planner runs with: ``tolerance`` (default DistCAConfig's), no move
     without balancing, and for ``comm_aware`` systems the simulated links: ``link_gib_per_s`` the
     inter-node bandwidth, ``ranks_per_node`` the GPUs per node, ``intra_node_gib_per_s`` the intra-node
-    all-to-all's bandwidth at 256 MiB per rank (the planner takes one flat figure per link class)."""
+    all-to-all's bandwidth at 256 MiB per rank (the planner takes one flat figure per link class). What
+    it balances: the kernel table the step is timed with when that is a measured (q_len, kv_len) JSON
+    (``--kernel-table``, ``cost_table=`` its path: what ``cost_table="auto"`` gives the engine on an H200
+    with bf16 32/8 x 128 heads, the shipped hf_distca/cost_tables/h200_bf16_32x8x128_*.json), else causal
+    pairs (``cost_table=None``; the whole-document rows are no (q_len, kv_len) table)."""
     fields = {
         "tolerance": DistCAConfig().tolerance if tolerance is None else tolerance,
         "max_planner_moves": DistCAConfig().max_planner_moves if system.balance else 0,
+        "cost_table": s.kernels.path,
     }
     if system.shard_tokens is not None:
         fields["shard_tokens"] = system.shard_tokens
@@ -454,22 +468,6 @@ def planner_config(system: System, s: Setting, tolerance: float | None = None) -
             intra_node_gib_per_s=s.links.intra_gibps_at(PLANNER_INTRA_BYTES),
         )
     return DistCAConfig(**fields)
-
-
-def nano_documents(lengths: Sequence[int], nanos: int = 2) -> list[list[int]]:
-    """The data path of layer-level ping-pong: the micro-batch's documents (whole) in ``nanos`` groups of
-    about equal estimated cost (layout_balanced's: LINEAR_PAIRS_PER_TOKEN per token plus causal pairs),
-    so about equal tokens and attention work; most expensive first, each to the cheapest group (ties:
-    fewer tokens, lower index). Returns each group's lengths in the micro-batch's order."""
-    cost = [LINEAR_PAIRS_PER_TOKEN * n + causal_pairs(0, n) for n in lengths]
-    load, tokens = [0.0] * nanos, [0] * nanos
-    groups: list[list[int]] = [[] for _ in range(nanos)]
-    for i in sorted(range(len(lengths)), key=lambda i: (-cost[i], i)):
-        j = min(range(nanos), key=lambda j: (load[j], tokens[j], j))
-        groups[j].append(i)
-        load[j] += cost[i]
-        tokens[j] += int(lengths[i])
-    return [[int(lengths[i]) for i in sorted(g)] for g in groups]
 
 
 def plan_layout(
@@ -495,17 +493,10 @@ def _planned(layout_name, disaggregate, lengths, world, tokens_per_rank, config,
         return pieces, None, 0.0
     began = time.process_time()  # CPU seconds: the planner's cost, not the wait for a shared machine's cores
     plan = plan_core_attention(
-        pieces, q_row_bytes=q_row, kv_row_bytes=kv_row, config=config, flops_per_pair=flops
-    )
+        pieces, q_row_bytes=q_row, kv_row_bytes=kv_row, config=config, flops_per_pair=flops,
+        cost_model=cost_model_from_config(config),
+    )  # fmt: skip
     return pieces, plan, time.process_time() - began
-
-
-def nano_budgets(groups: Sequence[Sequence[int]], world: int, tokens_per_rank: int) -> list[int]:
-    """Tokens per rank of each nano-batch: as many as its documents need (rounded up), the last one the
-    rest of the micro-batch's budget, so that the nano-batches pad as much as the whole would (no fewer
-    tokens to compute than the other systems); more only where its documents need more."""
-    need = [max(1, math.ceil(sum(g) / world)) for g in groups]
-    return need[:-1] + [max(need[-1], tokens_per_rank - sum(need[:-1]))]
 
 
 def simulate_micro_batch(
@@ -513,15 +504,19 @@ def simulate_micro_batch(
 ) -> MicroBatch:
     """One micro-batch of ``system``; ``tolerance``: the planner's (default DistCAConfig's)."""
     if system.schedule == "layers":  # nano-batches of whole documents, each laid out and planned
-        groups = [g for g in nano_documents(lengths, system.nanos) if sum(g)]
-        plans, plan_s = [], 0.0
-        for group, budget in zip(groups, nano_budgets(groups, s.world, s.tokens_per_rank), strict=True):
-            _, plan, seconds = plan_layout(system, group, s, budget, tolerance)
-            plans.append(plan)
-            plan_s += seconds
-        mb = price_plans(plans, s, "layers", backward=system.backward)
-        mb.plan_s = plan_s
-        return mb
+        split = split_documents(lengths, system.nanos)  # as the data path (hf_distca.data.nano)
+        if split is not None:
+            groups = [[int(lengths[i]) for i in g] for g in split]
+            tokens_per_rank = nano_tokens_per_rank(groups, s.world)
+            plans, plan_s = [], 0.0
+            for group in groups:
+                _, plan, seconds = plan_layout(system, group, s, tokens_per_rank, tolerance)
+                plans.append(plan)
+                plan_s += seconds
+            mb = price_plans(plans, s, "layers")
+            mb.plan_s = plan_s
+            return mb
+        system = dataclasses.replace(system, schedule="serial")  # too few documents: the engine runs it whole
     pieces, plan, plan_s = plan_layout(system, lengths, s, s.tokens_per_rank, tolerance)
     if plan is None:  # every piece its own sequence, ranks meet only at the gradient reduction
         layers = s.model.layers
@@ -561,14 +556,14 @@ def price_plan(plan, s: Setting, schedule: str = "serial") -> MicroBatch:
 
 
 def price_plans(
-    plans: Sequence, s: Setting, schedule: str = "serial", split: str | None = None, backward: str = "spec"
+    plans: Sequence, s: Setting, schedule: str = "serial", split: str | None = None
 ) -> MicroBatch:
     """A micro-batch run through DistCA's engine: ``plans`` one per nano-batch (several only for
     'layers'), timed on their schedule (hf_distca.planning.schedule): per rank and layer the
     non-attention work before attention (``pre_share``) and after it, the server's kernels per part, and
     per part and phase an all-to-all lasting as long as its slowest rank (:meth:`Links.phase_seconds`
     of the traffic ledger's bytes). ``split``: the attention-level nano-batch split (default
-    DistCAConfig's); ``backward``: layer-level ping-pong's backward order."""
+    DistCAConfig's)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     if schedule != "layers" and len(plans) != 1:
@@ -619,7 +614,7 @@ def price_plans(
             inter += layers * sum(float(m[across].sum()) for m in layer_phases)
         fanout = max(fanout, kv_fanout(plan))
     if schedule == "layers":
-        ops = schedule_ops.layer_ping_pong(layers, len(plans), backward)
+        ops = schedule_ops.layer_ping_pong(layers, len(plans))
     else:
         ops = schedule_ops.serial(layers, nparts, s.recompute)
     timing = schedule_ops.run_schedule(ops, compute, comm, world)
@@ -672,13 +667,22 @@ class Result:
     def left(self) -> tuple[float, float, float]:
         """Seconds between this step and the ideal, in three parts that add up to it: exposed
         communication (step - synced), residual imbalance (synced - mean busy: ranks waiting for each
-        other at the collectives and at the end) and kernel efficiency (mean busy - ideal: more work
-        than the exact computation's mean, e.g. short shards at lower rates)."""
+        other at the collectives and at the end) and kernels and padding (mean busy - ideal: more work
+        than the exact computation's mean: short shards at lower rates, padding tokens)."""
         return (
             self.step_s - self.synced_s,
             self.synced_s - self.busy_mean_s,
             self.busy_mean_s - self.ideal_step_s,
         )
+
+
+def ideal_work(step: Sequence[Sequence[int]], s: Setting) -> float:
+    """Seconds of the exact computation of a step's real tokens on one GPU: every token's non-attention
+    work and every document's core attention whole, in one kernel (no padding: the layouts pad each
+    micro-batch, or nano-batch, to its tokens per rank, and that padding is work the ideal does not do)."""
+    lengths = [int(n) for mb in step for n in mb]
+    attention = sum(_task_seconds(s, n, n) for n in lengths if n) * s.model.layers
+    return s.linear.seconds(sum(lengths), s.model.layers) + attention
 
 
 def simulate(
@@ -690,13 +694,10 @@ def simulate(
     per_step: dict[str, list[tuple]] = {name: [] for name in systems}
     ideal = []
     for step in steps:
-        exact_busy = np.zeros(s.world)
-        for name in dict.fromkeys([*systems, "exact-unbalanced"]):
+        for name in systems:
             system = SYSTEM_SPECS[name]
             mbs = [simulate_micro_batch(system, lengths, s, tolerance) for lengths in step]
             busy = sum(mb.linear + mb.attention for mb in mbs)
-            if name == "exact-unbalanced":
-                exact_busy = busy
             if name in per_step:
                 sent = sum(mb.bytes_sent for mb in mbs)
                 inter = sum(mb.inter_node_bytes for mb in mbs)
@@ -709,7 +710,7 @@ def simulate(
                     max(mb.kv_fanout for mb in mbs), sum(mb.synced_s for mb in mbs), exposed,
                     sum(mb.plan_s for mb in mbs), sum(mb.comm for mb in mbs),
                 ))  # fmt: skip
-        ideal.append(float(exact_busy.sum()) / s.world)
+        ideal.append(ideal_work(step, s) / s.world)
     tokens = [sum(n for mb in step for n in mb) for step in steps]
     flops = [s.model.model_flops([n for mb in step for n in mb]) for step in steps]
     out = {}
@@ -806,7 +807,13 @@ def run_grid(args, log=print) -> tuple[list[Row], dict]:
     for row in rows:
         log(f"{row.workload} {row.tokens_per_rank} x {row.world} GPUs, inter {row.inter_gibps}: "
             + ", ".join(f"{k} {r.step_s:.2f}s" for k, r in row.results.items()))  # fmt: skip
-    info = {"model": model, "kernels": kernels.source, "linear": linear, "intra": intra}
+    info = {
+        "model": model,
+        "kernels": kernels.source,
+        "linear": linear,
+        "intra": intra,
+        "planner_table": kernels.path is not None,
+    }
     return rows, info
 
 
@@ -832,6 +839,34 @@ def _share(share: float | None) -> str:
 
 def _fmt_bw(gibps: float | None) -> str:
     return "-" if gibps is None else f"{gibps:g}"
+
+
+def system_settings(system: System, info: dict) -> str:
+    """The DistCAConfig a DistCA system runs with, in words, saying which settings are not DistCA's
+    defaults (the report's headline)."""
+    fields = [f"tolerance {DistCAConfig().tolerance:g} unless --tolerance"]
+    fields.append(
+        "cost_table=the kernel table (measured kernel time, as the default 'auto' on an H200)"
+        if info["planner_table"]
+        else "cost_table=None (causal pairs)"
+    )
+    if system.comm_aware:
+        fields.append(
+            "link_gib_per_s=the inter-node figure, ranks_per_node=GPUs per node, intra_node_gib_per_s=the "
+            "intra-node all-to-all at 256 MiB (not defaults: the links must be given)"
+        )
+    if system.schedule == "attention":
+        fields.append("ping_pong=True (not the default)")
+    if system.schedule == "layers":
+        fields.append(
+            "layer_ping_pong=True, not DistCA's default (DistCAConfig.layer_ping_pong is False until measured "
+            f"on 2 or more GPUs), {system.nanos} nano-batches"
+        )
+    if system.shard_tokens is not None:
+        fields.append(f"shard_tokens={system.shard_tokens}")
+    if not system.balance:
+        fields.append("max_planner_moves=0")
+    return "DistCAConfig(" + "; ".join(fields) + ")" if system.disaggregate else "not through DistCA's engine"
 
 
 def write_report(rows: list[Row], info: dict, args, command: str) -> str:
@@ -879,9 +914,17 @@ def write_report(rows: list[Row], info: dict, args, command: str) -> str:
         "layer-level ping-pong for the *-pingpong and *-layers systems. Each layer's non-attention work is "
         f"split {FORWARD_SHARE:g} forward / {1 - FORWARD_SHARE:g} backward with its recompute, and "
         "before / after attention by matmul weights (QKV against o_proj and MLP)",
+        "- what the DistCA systems' planner balances: "
+        + (
+            "the kernel table above, DistCAConfig(cost_table=its path): measured kernel time, as "
+            'cost_table="auto" (the default) plans on an H200 with bf16 32/8 x 128 heads'
+            if info["planner_table"]
+            else "causal pairs, DistCAConfig(cost_table=None) (the whole-document rows are no (q_len, kv_len) "
+            "table), priced at the default attention_tflops=300 (forward+backward) where communication is priced"
+        ),
         "- distca-comm's planner: DistCAConfig(link_gib_per_s=the inter-node figure, ranks_per_node="
-        f"{args.gpus_per_node}, intra_node_gib_per_s=the intra-node all-to-all at 256 MiB per rank), causal "
-        "pairs priced at the default attention_tflops=300 (forward+backward), comm_overlap=0",
+        f"{args.gpus_per_node}, intra_node_gib_per_s=the intra-node all-to-all at 256 MiB per rank), "
+        "comm_overlap=0",
         "",
         "Systems: hf-default (each rank packs whole documents in order, attention local to each piece; "
         "documents longer than the budget become independent chunks: **the math differs**), "
@@ -894,23 +937,23 @@ def write_report(rows: list[Row], info: dict, args, command: str) -> str:
         "distca-pingpong and distca-comm-pingpong (those plans run with attention-level ping-pong, "
         "DistCAConfig(ping_pong=True), its default split: nano-batches inside each attention call, messages "
         "hidden only behind kernels of the same call), distca-layers and distca-comm-layers (layer-level "
-        "ping-pong: the micro-batch's whole documents in two nano-batches of about equal estimated cost "
-        "(nano_documents), each laid out over all ranks and planned on its own, run through the layers as "
-        "coroutines: while one nano-batch's messages fly the other runs its projections, MLP or layer "
-        "backward; modelled from its specification, the engine is being built). Ideal: the exact computation "
-        "perfectly "
-        "balanced with no exposed "
-        "communication. 'share of ideal gain': (speedup - 1) / (ideal speedup - 1), both against "
+        "ping-pong, DistCAConfig(layer_ping_pong=True), not DistCA's default: the micro-batch's whole "
+        "documents in two nano-batches of about equal estimated cost, each laid out over all ranks at the "
+        "same tokens per rank and planned on its own, as the data path does (hf_distca.data.nano), run "
+        "through the layers as coroutines in the engine's order (hf_distca.planning.schedule.layer_ping_pong, "
+        "asserted against the engine's stages by tests/test_layer_ping_pong.py): while one nano-batch's "
+        "messages fly the other runs its projections, MLP or layer backward). Ideal: the exact computation of "
+        "the real tokens (no padding, every document's attention whole in one kernel) perfectly balanced with no "
+        "exposed communication. 'share of ideal gain': (speedup - 1) / (ideal speedup - 1), both against "
         "exact-unbalanced.",
         "",
         "## DistCA against the ideal",
         "",
-        f"Headline system: **{args.headline}** (DistCA's default settings on the schedule named in the "
-        "systems list). 'share': of the ideal gain; 'over balanced': balanced's step over the headline's "
+        f"Headline system: **{args.headline}**: {system_settings(SYSTEM_SPECS[args.headline], info)}. 'share': of the ideal gain; 'over balanced': balanced's step over the headline's "
         "(the DistCA paper compares with WLB-LLM-style balancing and reports 1.07-1.35x); 'best baseline': the "
         "fastest exact baseline (exact-unbalanced, balanced). 'left': where the headline's share is under "
         f"{GOAL:.0%}, the seconds between its step and the ideal, as exposed communication / residual imbalance / "
-        "kernel efficiency (Result.left: step - synced, synced - mean busy, mean busy - ideal; they add up to "
+        "kernels and padding (Result.left: step - synced, synced - mean busy, mean busy - ideal; they add up to "
         "the gap).",
         "",
         "| workload | tokens / rank | GPUs | inter-node GiB/s | exact-unbalanced s | best baseline s | ideal s "

@@ -111,13 +111,13 @@ class DistCAConfig:
     the second one's return are not hidden)."""
 
     layer_ping_pong: bool = False
-    """Split each micro-batch's documents into two nano-batches of equal tokens (whole documents, each laid
-    out and planned on its own) that run through the model as coroutines switching inside the attention
-    function (:mod:`hf_distca.engine.interleave`): one nano-batch's exchanges fly while the other runs its
-    projections, MLP and kernels, in forward and backward (same results). Applies to the data path of
-    ``DistCACallback`` / ``DistCABatches`` and to :func:`hf_distca.nano_batch_loss`; inside each nano-batch
-    the exchanges run around the other's work, so ``ping_pong`` does not apply there. A micro-batch with a
-    single document runs whole."""
+    """Split each micro-batch's documents into two nano-batches of about equal cost (whole documents,
+    :func:`hf_distca.data.nano.split_documents`; each laid out and planned on its own) that run through
+    the model as coroutines switching inside the attention function (:mod:`hf_distca.engine.interleave`):
+    one nano-batch's exchanges fly while the other runs its projections, MLP and kernels, in forward and
+    backward (same results). Applies to the data path of ``DistCACallback`` / ``DistCABatches`` and to
+    :func:`hf_distca.nano_batch_loss`; inside each nano-batch the exchanges run around the other's work,
+    so ``ping_pong`` does not apply there. A micro-batch with a single document runs whole."""
 
     def plan_fields(self) -> tuple[tuple[str, object], ...]:
         """(name, value) of every field that can change the plan (all but ``RUN_ONLY_FIELDS``): what a

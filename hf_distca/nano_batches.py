@@ -1,7 +1,7 @@
 """Running a micro-batch of layer-level ping-pong nano-batches through a model (Trainer or plain loop).
 
 With ``DistCAConfig(layer_ping_pong=True)`` the data path (:class:`hf_distca.data.DistCABatches`) splits
-every micro-batch's documents into two nano-batches of equal tokens (:mod:`hf_distca.data.nano`), each a
+every micro-batch's documents into two nano-batches of about equal cost (:mod:`hf_distca.data.nano`), each a
 micro-batch of its own under ``batch["distca_nano_batches"]``. :func:`forward_nano_batches` runs the
 model once per nano-batch, interleaved (:mod:`hf_distca.engine.interleave`): while one nano-batch's
 attention exchanges fly, the other runs its projections, MLP and kernels. The losses combine into the

@@ -1,7 +1,8 @@
 """Layer-level ping-pong (DistCAConfig.layer_ping_pong): two nano-batches through the model as coroutines.
 
-- The split (no processes): whole documents, tokens as equal as longest-first allows, None when a
-  nano-batch would be empty; the data path lays each nano-batch out on its own (same tokens per rank).
+- The split (no processes): whole documents, estimated cost (tokens and attention pairs) as equal as
+  most-expensive-first allows, None when a nano-batch would be empty; the data path lays each nano-batch
+  out on its own, all at the same tokens per rank (the most any needs).
 - The scheduler (one process): turns alternate at switches in a fixed order; a failure in one nano-batch
   stops the other and is raised, without hanging.
 - On 2 and 4 gloo processes (one spawn each): a tiny Llama's micro-batch split into two nano-batches by the data path;
@@ -10,8 +11,8 @@
   checkpointing, plain recompute and rematerialization-aware checkpointing (which runs no attention
   forward in backward); the engine's bytes and kernel runs equal the serial run's; and the stages ran in
   the interleaved order in forward AND backward (the chain of engine nodes): nano-batch A's dispatch is in
-  flight while B computes, and so on (the exact sequence is derived from the rule in
-  hf_distca/engine/layer_op.py).
+  flight while B computes, and so on (the exact sequence is the simulator's schedule,
+  hf_distca.planning.schedule.layer_ping_pong: what benchmarks/simulate.py times is what the engine runs).
 """
 
 from __future__ import annotations
@@ -37,22 +38,41 @@ from transformers import DataCollatorWithFlattening
 
 from hf_distca import DistCAConfig, enable_distca, metrics, nano_batch_loss
 from hf_distca.data import DistCABatches
-from hf_distca.data.nano import NANO_BATCHES, split_documents
+from hf_distca.data.nano import NANO_BATCHES, nano_tokens_per_rank, split_documents
 from hf_distca.engine import interleave
+from hf_distca.planning.cost import LINEAR_PAIRS_PER_TOKEN, causal_pairs
+from hf_distca.planning.schedule import layer_ping_pong
 
 LENGTHS = [150, 40, 25, 9, 31, 60, 70]
 TOKENS_PER_RANK = 256
 
 
 # ------------------------------------------------------------------------------------ the split
-def test_split_documents_whole_and_even():
+def test_split_documents_whole_and_even_cost():
     groups = split_documents([150, 40, 25, 9, 31, 60], 2)
-    assert groups == [[0, 3], [1, 2, 4, 5]]  # 159 and 156 tokens
+    assert groups == [[0, 3], [1, 2, 4, 5]]  # 159 and 156 tokens: short documents cost about their tokens
     assert sorted(i for g in groups for i in g) == list(range(6))
+    # long ones: the estimated cost (LINEAR_PAIRS_PER_TOKEN per token + causal pairs) decides, not tokens
+    lengths = [32000, 16000, 16000, 16000]
+    groups = split_documents(lengths, 2)
+    assert groups == [[0], [1, 2, 3]]  # by tokens it would be [[0, 2], [1, 3]]
+    cost = [sum(LINEAR_PAIRS_PER_TOKEN * lengths[i] + causal_pairs(0, lengths[i]) for i in g) for g in groups]
+    assert max(cost) / min(cost) < 1.2
+    assert split_documents([12000, 300, 5000, 4000, 256, 256, 3000], 2) == [[0], [1, 2, 3, 4, 5, 6]]
     assert split_documents([500], 2) is None  # one document: the micro-batch runs whole
     assert split_documents([3, 3, 3], 3) == [[0], [1], [2]]
     with pytest.raises(ValueError, match="parts must be >= 1"):
         split_documents([1], 0)
+
+
+def test_nano_tokens_per_rank_equal_for_all():
+    """Every nano-batch is laid out at the most tokens per rank any of them needs."""
+    assert nano_tokens_per_rank([[3000, 1000], [500]], 4) == 1000
+    assert nano_tokens_per_rank([[500], [8000]], 4) == 2000
+    assert nano_tokens_per_rank([[32000], [16000, 16000, 16000]], 2) == 24000
+    assert nano_tokens_per_rank([[5], [4]], 2) == 3  # rounded up
+    with pytest.raises(ValueError, match="world must be >= 1"):
+        nano_tokens_per_rank([[1]], 0)
 
 
 def test_loader_lays_out_each_nano_batch():
@@ -65,10 +85,11 @@ def test_loader_lays_out_each_nano_batch():
     ]
     split = batches[0].micro_batch(docs)
     a, b = split[NANO_BATCHES]
-    assert a["input_ids"].shape == b["input_ids"].shape  # the same tokens per rank in both
+    groups = split_documents(LENGTHS, 2)
+    tokens = nano_tokens_per_rank([[LENGTHS[i] for i in g] for g in groups], 2)
+    assert a["input_ids"].shape == b["input_ids"].shape == (1, tokens)  # the same tokens per rank in both
     assert torch.equal(split["input_ids"], torch.cat([a["input_ids"], b["input_ids"]], dim=1))
     # every document once, whole, in one nano-batch: the pieces of both nano-batches over both ranks
-    groups = split_documents(LENGTHS, 2)
     for nano, group in zip((a, b), groups, strict=True):
         held = {}
         for pieces in nano["distca_layout"].all_pieces:
@@ -133,26 +154,30 @@ def test_nano_batches_refused_by_a_plain_forward():
 
 
 # ------------------------------------------------------------------------------------ 2 processes
+ENGINE_STAGES = {
+    ("start", "fwd.dispatch"): "dispatch",
+    ("compute", "kernel", "fwd"): "compute",
+    ("start", "fwd.return"): "return_outputs",
+    ("wait", "fwd.return"): "gather_outputs",
+    ("start", "bwd.dispatch"): "dispatch_backward",
+    ("compute", "kernel", "bwd"): "compute_backward",
+    ("start", "bwd.return"): "return_grads",
+    ("wait", "bwd.return"): "gather_grads",
+}
+"""The engine stage (hf_distca/engine/layer_op.py) each operation of the simulator's schedule stands for;
+the other operations (layer work, waits for a dispatch) have none."""
+
+
 def _expected_stages(layers: int) -> tuple[list[str], list[str]]:
-    """The stages' order in forward and backward from the rule of hf_distca/engine/layer_op.py: nodes
-    D (dispatch), S (kernel, return) and R (gather) per layer and nano-batch, created in the order the
-    turns take; backward runs them in reverse."""
-    nodes = [("D", "A", 0), ("D", "B", 0)]
-    for layer in range(layers):
-        nodes += [("S", "A", layer), ("S", "B", layer), ("R", "A", layer)]
-        if layer + 1 < layers:
-            nodes.append(("D", "A", layer + 1))
-        nodes.append(("R", "B", layer))
-        if layer + 1 < layers:
-            nodes.append(("D", "B", layer + 1))
-    forward_stages = {"D": ["dispatch"], "S": ["compute", "return_outputs"], "R": ["gather_outputs"]}
-    backward_stages = {
-        "R": ["dispatch_backward"],
-        "S": ["compute_backward", "return_grads"],
-        "D": ["gather_grads"],
-    }
-    fwd = [f"{s}.{nano}{layer}" for kind, nano, layer in nodes for s in forward_stages[kind]]
-    bwd = [f"{s}.{nano}{layer}" for kind, nano, layer in reversed(nodes) for s in backward_stages[kind]]
+    """The stages' order in forward and backward as the simulator's schedule
+    (hf_distca.planning.schedule.layer_ping_pong) has it, ``stage.<nano><layer>`` with nano-batch 0 as A:
+    the engine must run exactly this order, so the simulator times what the engine does."""
+    fwd, bwd = [], []
+    for op in layer_ping_pong(layers):
+        key = (op.kind, op.name, op.pass_) if op.kind == "compute" else (op.kind, op.name)
+        stage = ENGINE_STAGES.get(key)
+        if stage is not None:
+            (bwd if op.pass_ == "bwd" else fwd).append(f"{stage}.{'AB'[op.nano]}{op.layer}")
     return fwd, bwd
 
 

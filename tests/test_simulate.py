@@ -2,8 +2,8 @@
 
 Pure Python/NumPy, no processes: the kernel table reproduces its measurements, the link model its
 bandwidth points, the traffic matrices the planner's own byte counts, the linear fit its inputs, and
-a whole simulation the invariants that hold for any batch (one GPU: every exact system equals the
-ideal; the ideal bounds every exact system; DistCA never balances worse than the layout it starts
+a whole simulation the invariants that hold for any batch (one GPU, no padding: every exact system
+equals the ideal; the ideal bounds every exact system; DistCA never balances worse than the layout it starts
 from). The workloads replay exactly the documents and batches the recipe trains on.
 """
 
@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from hf_distca.data import DistCABatches, layout_pieces
-from hf_distca.planning import plan_core_attention
+from hf_distca.data.nano import nano_tokens_per_rank, split_documents
+from hf_distca.planning import MeasuredCost, plan_core_attention
 from hf_distca.planning.cost import causal_pairs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,7 +51,7 @@ def test_kernel_table_reproduces_the_measured_rows():
     assert fwd == pytest.approx(causal_pairs(6144, 8192) / rate_2k, rel=REL)
 
 
-def test_kernel_table_from_a_calibrate_json(tmp_path):
+def test_kernel_table_from_a_calibrate_json(tmp_path, monkeypatch):
     path = tmp_path / "table.json"
     lens = [128, 1024]
     seconds = [[1e-5, 2e-4], [None, 4e-4]]
@@ -60,6 +61,17 @@ def test_kernel_table_from_a_calibrate_json(tmp_path):
     fwd, fwd_bwd = table.task_seconds(1024, 1024)
     assert fwd_bwd == pytest.approx(4e-4, rel=REL) and fwd == pytest.approx(4e-4 / 3.5, rel=REL)
     assert "X" in table.source
+    # the DistCA systems plan with the table they are timed with, as cost_table="auto" does on an H200
+    s = sim.Setting(2, 1024, sim.ModelShape(layers=2), table, sim.Links(), sim.LinearCost.from_measurements())
+    assert sim.planner_config(sim.SYSTEM_SPECS["distca"], s).cost_table == str(path)
+    seen = []
+    planner = sim.plan_core_attention
+    monkeypatch.setattr(
+        sim, "plan_core_attention", lambda *a, **k: seen.append(k["cost_model"]) or planner(*a, **k)
+    )
+    r = sim.simulate(["exact-unbalanced", "distca"], [[[1024, 128, 128]]], s)
+    assert r["distca"].step_s >= r["distca"].ideal_step_s > 0
+    assert seen and all(isinstance(c, MeasuredCost) and c.timed == "forward+backward" for c in seen)
     path.write_text(json.dumps({"q_lens": lens}))
     with pytest.raises(ValueError, match="not a cost table"):
         sim.KernelTable.from_json(str(path))
@@ -121,15 +133,20 @@ def test_model_flops_of_llama3_8b_shape():
 
 
 def test_one_gpu_every_exact_system_is_the_ideal():
-    steps = [[[3000, 2000, 1500, 900]], [[8000]]]
-    results = sim.simulate(sim.SYSTEMS, steps, setting(world=1, tokens_per_rank=8192))
+    steps = [[[3000, 2000, 1500, 1692]], [[8192]]]  # full micro-batches: no padding
+    s = setting(world=1, tokens_per_rank=8192)
+    results = sim.simulate(sim.SYSTEMS, steps, s)
     for name in ("exact-unbalanced", "balanced", "distca"):
         r = results[name]
         assert r.exposed_comm_s == 0 and r.imbalance == 1.0
         assert r.step_s == pytest.approx(r.ideal_step_s, rel=REL)
+    # padding is work of the system, not of the ideal
+    padded = sim.simulate(["exact-unbalanced"], [[[3000, 2000]]], s)["exact-unbalanced"]
+    pad = s.linear.seconds(8192 - 5000, 4) + 4 * sim._task_seconds(s, 8192 - 5000, 8192 - 5000)
+    assert padded.step_s == pytest.approx(padded.ideal_step_s + pad, rel=1e-6)
     # tokens/s counts real tokens; MFU = model FLOPs over time x peak
     r = results["distca"]
-    assert r.tokens_per_s == pytest.approx((7400 + 8000) / (2 * r.step_s), rel=REL)
+    assert r.tokens_per_s == pytest.approx((8192 + 8192) / (2 * r.step_s), rel=REL)
     flops = sum(sim.ModelShape(layers=4).model_flops(mb) for step in steps for mb in step)
     assert r.mfu == pytest.approx(flops / (2 * r.step_s * 989e12), rel=REL)
 
@@ -236,6 +253,7 @@ def test_comm_aware_planner_in_the_simulator(monkeypatch):
     assert (config.link_gib_per_s, config.ranks_per_node) == (5.0, 4)
     assert config.intra_node_gib_per_s == pytest.approx(260.0, rel=1e-9)  # the 256 MiB point
     assert sim.planner_config(sim.SYSTEM_SPECS["distca"], s).link_gib_per_s is None
+    assert config.cost_table is None  # whole-document rows: the planner balances causal pairs
     monkeypatch.setitem(sim.SYSTEM_SPECS, "tokens", sim.System("tokens", "tokens", True, True))
     monkeypatch.setitem(
         sim.SYSTEM_SPECS, "tokens-comm", sim.System("tokens-comm", "tokens", True, True, comm_aware=True)
@@ -250,30 +268,23 @@ def test_comm_aware_planner_in_the_simulator(monkeypatch):
 
 
 def test_layer_ping_pong_nano_batches_and_schedule():
-    """The data path of layer-level ping-pong: whole documents in groups of about equal cost whose budgets
-    add up to the micro-batch's; its schedule hides exchanges the serial one exposes."""
-    lengths = [12000, 300, 5000, 4000, 256, 256, 3000]
-    groups = sim.nano_documents(lengths)
-    assert sorted(n for g in groups for n in g) == sorted(lengths)
-    assert [12000] in groups  # the costliest document alone against all the others
-    cost = [sum(sim.LINEAR_PAIRS_PER_TOKEN * n + causal_pairs(0, n) for n in g) for g in groups]
-    assert max(cost) / min(cost) < 2.0
-    assert sim.nano_budgets([[3000, 1000], [500]], 4, 2048) == [1000, 1048]  # pads as the whole would
-    assert sim.nano_budgets([[500], [8000]], 4, 2048) == [125, 2000]  # more only where documents need it
-    steps = [[[12000, 5000, 4000, 3000] + [256] * 8]]
+    """The data path of layer-level ping-pong (hf_distca.data.nano: whole documents in groups of about
+    equal cost, all laid out at the same tokens per rank); its schedule hides exchanges the serial one
+    exposes; a micro-batch of one document runs whole."""
+    steps = [[[12000, 6720, 5000, 4000, 3000] + [256] * 8]]  # 32768 tokens: the whole budget, no padding
     s = setting(world=8, tokens_per_rank=4096, gpus_per_node=4, inter_gibps=40.0)
-    r = sim.simulate(
-        ["exact-unbalanced", "distca", "distca-comm-layers", "distca-comm-layers-mirror"], steps, s
-    )
-    serial, layers, mirror = r["distca"], r["distca-comm-layers"], r["distca-comm-layers-mirror"]
+    r = sim.simulate(["exact-unbalanced", "distca", "distca-comm-layers"], steps, s)
+    serial, layers = r["distca"], r["distca-comm-layers"]
     assert layers.ideal_step_s == serial.ideal_step_s
-    assert layers.step_s >= layers.ideal_step_s
+    assert layers.step_s >= layers.ideal_step_s  # the nano-batches pad to at least the whole budget
     assert layers.exposed_comm_s < 0.5 * layers.comm_s  # most of it hidden
-    assert mirror.comm_s == layers.comm_s and mirror.exposed_comm_s <= layers.exposed_comm_s
     assert serial.exposed_comm_s == pytest.approx(serial.comm_s, rel=1e-6)  # all of it exposed
+    lengths = steps[0][0]
+    groups = [[lengths[i] for i in g] for g in split_documents(lengths, 2)]
+    tokens = nano_tokens_per_rank(groups, s.world)
+    plans = [sim.plan_layout(sim.SYSTEM_SPECS["distca-comm-layers"], g, s, tokens)[1] for g in groups]
+    assert sim.price_plans(plans, s, "layers").step_s == pytest.approx(layers.step_s, rel=REL)  # the same
+    alone = sim.simulate(["distca", "distca-layers"], [[[30000]]], s)  # one document: no nano-batches
+    assert alone["distca-layers"].step_s == alone["distca"].step_s
     with pytest.raises(ValueError, match="plans for the 'serial' schedule"):
-        mb_plans = [
-            sim.plan_layout(sim.SYSTEM_SPECS["distca"], g, s, 2048)[1]
-            for g in sim.nano_documents(steps[0][0])
-        ]
-        sim.price_plans(mb_plans, s, "serial")
+        sim.price_plans(plans, s, "serial")

@@ -6,14 +6,13 @@ each global micro-batch without communication; each rank then keeps its own shar
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from hf_distca.data.nano import NANO_BATCHES, split_documents
+from hf_distca.data.nano import NANO_BATCHES, nano_tokens_per_rank, split_documents
 from hf_distca.data.rebatch import LayoutFn, layout_balanced, layout_for_rank
 from hf_distca.data.sampler import plan_global_batches
 from hf_distca.engine.compiled import register_layout
@@ -230,7 +229,7 @@ class DistCABatches(IterableDataset):
         if groups is None:
             batch, all_pieces = self._laid_out(docs, self.tokens_per_rank)
             return batch, [all_pieces]
-        tokens = max(math.ceil(sum(len(docs[i]) for i in g) / self.world_size) for g in groups)
+        tokens = nano_tokens_per_rank([[len(docs[i]) for i in g] for g in groups], self.world_size)
         nanos = [self._laid_out([docs[i] for i in g], tokens) for g in groups]
         labels = torch.cat([b["shift_labels"] for b, _ in nanos], dim=1)  # (1, sum of T_nano)
         batch = {  # what the Trainer counts (tokens seen, targets: shift_labels, already shifted)

@@ -1,30 +1,49 @@
-"""Nano-batches of a micro-batch for layer-level ping-pong: its documents in groups of equal tokens.
+"""Nano-batches of a micro-batch for layer-level ping-pong: its documents in groups of about equal cost.
 
 Each nano-batch is a micro-batch of its own (its own layout over the ranks, its own plan), so it can run
 through the model on its own and the two interleave (:mod:`hf_distca.engine.interleave`). Documents stay
-whole: attention never crosses nano-batches, so the results equal those of the micro-batch.
+whole: attention never crosses nano-batches, so the results equal those of the micro-batch. The one
+split and the one padding rule of both the data path (:class:`hf_distca.data.DistCABatches`) and the
+simulator (benchmarks/simulate.py); no torch.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+
+from hf_distca.planning.cost import LINEAR_PAIRS_PER_TOKEN, causal_pairs
 
 NANO_BATCHES = "distca_nano_batches"
 """The micro-batch key holding its nano-batches (a tuple of model-input dicts)."""
 
 
 def split_documents(lengths: Sequence[int], parts: int = 2) -> list[list[int]] | None:
-    """Indices of the documents of each nano-batch: longest first, each to the nano-batch with the fewest
-    tokens so far (ties: the lower index), indices ascending inside each. None when fewer documents than
+    """Indices of the documents of each nano-batch, groups of about equal estimated cost (that of
+    :func:`hf_distca.data.rebatch.layout_balanced`: ``LINEAR_PAIRS_PER_TOKEN`` per token plus the
+    document's causal pairs), so that the nano-batches' projections and attention both about match and
+    each hides the other's exchanges: most expensive first, each to the cheapest group so far (ties: the
+    fewer tokens, then the lower group), indices ascending inside each. None when fewer documents than
     ``parts`` (a nano-batch would be empty): the micro-batch then runs whole."""
     if parts < 1:
         raise ValueError(f"parts must be >= 1, got {parts}")
     if len(lengths) < parts:
         return None
+    cost = [LINEAR_PAIRS_PER_TOKEN * n + causal_pairs(0, int(n)) for n in lengths]
     groups: list[list[int]] = [[] for _ in range(parts)]
-    tokens = [0] * parts
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        j = min(range(parts), key=lambda j: (tokens[j], j))
+    load, tokens = [0.0] * parts, [0] * parts
+    for i in sorted(range(len(lengths)), key=lambda i: (-cost[i], i)):
+        j = min(range(parts), key=lambda j: (load[j], tokens[j], j))
         groups[j].append(i)
-        tokens[j] += lengths[i]
+        load[j] += cost[i]
+        tokens[j] += int(lengths[i])
     return [sorted(g) for g in groups]
+
+
+def nano_tokens_per_rank(group_lengths: Sequence[Sequence[int]], world: int) -> int:
+    """Tokens per rank of every nano-batch (all laid out alike, so their activations have one shape): the
+    most any nano-batch needs, ``max over groups of ceil(its tokens / world)``; ``group_lengths``: the
+    document lengths of each nano-batch."""
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    return max(math.ceil(sum(int(n) for n in g) / world) for g in group_lengths)

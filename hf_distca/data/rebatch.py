@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hf_distca.planning.cost import causal_pairs
+from hf_distca.planning.cost import LINEAR_PAIRS_PER_TOKEN, causal_pairs
 from hf_distca.planning.pieces import Piece
 
 IGNORE_INDEX = -100
@@ -143,13 +143,6 @@ def layout_pieces(
         if free[rank]:
             placed[rank].append(Piece(pad_base + rank, 0, free[rank]))
     return [tuple(p) for p in placed]
-
-
-LINEAR_PAIRS_PER_TOKEN = 16384.0
-"""Default weight of one token's non-attention cost, in causal (query, key) pairs: for a
-Llama-3-8B-shaped layer on an H200, ~4 us of projections and MLP per token (forward, backward and
-recompute) against ~0.25 ns of attention per pair (4.5 x 16384 FLOPs at ~300 TFLOP/s), the figures
-behind benchmarks/simulate.py. Only :func:`layout_balanced`'s estimate uses it."""
 
 
 def _lengths(doc_lengths: Sequence[int], world_size: int, tokens_per_rank: int) -> list[int]:

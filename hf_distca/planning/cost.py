@@ -35,6 +35,14 @@ def causal_pairs(a: int, b: int) -> int:
     return (b * (b + 1) - a * (a + 1)) // 2
 
 
+LINEAR_PAIRS_PER_TOKEN = 16384.0
+"""Default weight of one token's non-attention cost, in causal (query, key) pairs: for a
+Llama-3-8B-shaped layer on an H200, ~4 us of projections and MLP per token (forward, backward and
+recompute) against ~0.25 ns of attention per pair (4.5 x 16384 FLOPs at ~300 TFLOP/s), the figures
+behind benchmarks/simulate.py. The data path's estimates use it: :func:`hf_distca.data.rebatch.layout_balanced`
+and :func:`hf_distca.data.nano.split_documents`."""
+
+
 FWD_BWD_FLOP_RATIO = 3.5
 """Forward+backward over forward FLOPs of attention: forward 2 matmuls (4 FLOPs per pair and head
 dimension), backward 5 (10)."""

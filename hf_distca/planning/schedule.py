@@ -139,25 +139,20 @@ def serial(layers: int, parts: int = 1, recompute: str = "remat") -> list[Op]:
     return ops
 
 
-def layer_ping_pong(layers: int, nanos: int = 2, backward: str = "spec") -> list[Op]:
+def layer_ping_pong(layers: int, nanos: int = 2) -> list[Op]:
     """Layer-level ping-pong of ``nanos`` nano-batches (each attention call in one part), with
-    rematerialization-aware checkpointing. Forward, per layer l: each nano in turn waits for its
-    dispatch, runs its kernel and starts its return; then each nano in turn waits for its return, runs
-    post(l), pre(l + 1) and starts its next dispatch. Backward, nanos in reverse order (autograd runs the
-    later-created nodes first), ``backward``:
-
-    - 'spec' (the engine's specification): per layer from the last, each nano runs post(l) backward (its
-      recompute first) and starts its backward dispatch; each waits for it, runs its backward kernel and
-      starts its return; each waits for its return and runs pre(l) backward. A nano's return then flies
-      only while the other nanos run pre(l) backward.
-    - 'mirror' (the forward mirrored): each nano waits for its return, runs pre(l) backward, post(l - 1)
-      backward and starts its next backward dispatch before the next nano waits for its own return, so a
-      return flies while the other nanos run a whole layer's backward."""
+    rematerialization-aware checkpointing, in the engine's order (hf_distca/engine/layer_op.py; asserted
+    against the engine's recorded stages by tests/test_layer_ping_pong.py). Forward, per layer l: each
+    nano in turn waits for its dispatch, runs its kernel and starts its return; then each nano in turn
+    waits for its return, runs post(l), pre(l + 1) and starts its next dispatch. Backward runs the
+    engine's nodes in exactly reverse creation order, nanos in reverse: each nano runs post(top) backward
+    (its recompute first) and starts its backward dispatch; then per layer l from the last, each nano waits
+    for its dispatch, runs its backward kernel and starts its return; then each nano in turn waits for its
+    return, runs pre(l) backward, post(l - 1) backward and starts its next backward dispatch, so a return
+    flies while the other nanos run a whole layer's backward."""
     _check(layers, "remat")
     if nanos < 1:
         raise ValueError(f"nanos must be >= 1, got {nanos}")
-    if backward not in ("spec", "mirror"):
-        raise ValueError(f"backward must be 'spec' or 'mirror', got {backward!r}")
     order = list(range(nanos))
 
     def op(kind: str, name: str, pass_: str, layer: int, n: int) -> Op:
@@ -183,13 +178,9 @@ def layer_ping_pong(layers: int, nanos: int = 2, backward: str = "spec") -> list
     ops += [_compute("head", "fwd", layers, n) for n in order]
     back = order[::-1]
     top = layers - 1
-    if backward == "mirror":
-        for n in back:
-            ops += [_compute("post_bwd", "bwd", top, n), op("start", "bwd.dispatch", "bwd", top, n)]
+    for n in back:
+        ops += [_compute("post_bwd", "bwd", top, n), op("start", "bwd.dispatch", "bwd", top, n)]
     for layer in reversed(range(layers)):
-        if backward == "spec":
-            for n in back:
-                ops += [_compute("post_bwd", "bwd", layer, n), op("start", "bwd.dispatch", "bwd", layer, n)]
         for n in back:
             ops += [
                 op("wait", "bwd.dispatch", "bwd", layer, n),
@@ -198,7 +189,7 @@ def layer_ping_pong(layers: int, nanos: int = 2, backward: str = "spec") -> list
             ]
         for n in back:
             ops += [op("wait", "bwd.return", "bwd", layer, n), _compute("pre_bwd", "bwd", layer, n)]
-            if backward == "mirror" and layer > 0:
+            if layer > 0:
                 ops += [
                     _compute("post_bwd", "bwd", layer - 1, n),
                     op("start", "bwd.dispatch", "bwd", layer - 1, n),
