@@ -155,44 +155,41 @@ def layer_ping_pong(layers: int, nanos: int = 2) -> list[Op]:
         raise ValueError(f"nanos must be >= 1, got {nanos}")
     order = list(range(nanos))
 
-    def op(kind: str, name: str, pass_: str, layer: int, n: int) -> Op:
-        return Op(kind, name, pass_, layer, n)
+    def serve(pass_: str, layer: int, n: int) -> list[Op]:
+        """Nano-batch n's attention call of ``pass_``: wait for its dispatch, its kernel, start its return."""
+        return [
+            Op("wait", f"{pass_}.dispatch", pass_, layer, n),
+            _compute("kernel", pass_, layer, n),
+            Op("start", f"{pass_}.return", pass_, layer, n),
+        ]
 
     ops: list[Op] = []
     for n in order:
-        ops += [_compute("pre", "fwd", 0, n), op("start", "fwd.dispatch", "fwd", 0, n)]
+        ops += [_compute("pre", "fwd", 0, n), Op("start", "fwd.dispatch", "fwd", 0, n)]
     for layer in range(layers):
         for n in order:
-            ops += [
-                op("wait", "fwd.dispatch", "fwd", layer, n),
-                _compute("kernel", "fwd", layer, n),
-                op("start", "fwd.return", "fwd", layer, n),
-            ]
+            ops += serve("fwd", layer, n)
         for n in order:
-            ops += [op("wait", "fwd.return", "fwd", layer, n), _compute("post", "fwd", layer, n)]
+            ops += [Op("wait", "fwd.return", "fwd", layer, n), _compute("post", "fwd", layer, n)]
             if layer + 1 < layers:
                 ops += [
                     _compute("pre", "fwd", layer + 1, n),
-                    op("start", "fwd.dispatch", "fwd", layer + 1, n),
+                    Op("start", "fwd.dispatch", "fwd", layer + 1, n),
                 ]
     ops += [_compute("head", "fwd", layers, n) for n in order]
     back = order[::-1]
     top = layers - 1
     for n in back:
-        ops += [_compute("post_bwd", "bwd", top, n), op("start", "bwd.dispatch", "bwd", top, n)]
+        ops += [_compute("post_bwd", "bwd", top, n), Op("start", "bwd.dispatch", "bwd", top, n)]
     for layer in reversed(range(layers)):
         for n in back:
-            ops += [
-                op("wait", "bwd.dispatch", "bwd", layer, n),
-                _compute("kernel", "bwd", layer, n),
-                op("start", "bwd.return", "bwd", layer, n),
-            ]
+            ops += serve("bwd", layer, n)
         for n in back:
-            ops += [op("wait", "bwd.return", "bwd", layer, n), _compute("pre_bwd", "bwd", layer, n)]
+            ops += [Op("wait", "bwd.return", "bwd", layer, n), _compute("pre_bwd", "bwd", layer, n)]
             if layer > 0:
                 ops += [
                     _compute("post_bwd", "bwd", layer - 1, n),
-                    op("start", "bwd.dispatch", "bwd", layer - 1, n),
+                    Op("start", "bwd.dispatch", "bwd", layer - 1, n),
                 ]
     return ops
 
