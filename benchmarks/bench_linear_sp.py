@@ -43,10 +43,10 @@ from common import median_ms  # noqa: E402
 from hf_distca.data import layout_pieces  # noqa: E402
 from hf_distca.linear import LINEAR_BACKENDS, LinearSPConfig, linear_attention
 from hf_distca.linear.ops import (
+    ScanSpec,
     build_scan_plan,
     fla_available,
     recurrence,
-    recurrence_reference,
     scan_backward,
     scan_forward,
 )
@@ -155,8 +155,12 @@ def section_check(ctx) -> tuple[str, dict]:
         cu = [0]
         for n in lengths:
             cu.append(cu[-1] + n)
-        ref, _ = recurrence_reference(
-            leaves["q"], leaves["k"], leaves["v"], cu_seqlens=cu, log_decay=leaves["g"], beta=leaves["beta"]
+        ref, _ = recurrence(
+            *(leaves[n] for n in ("q", "k", "v")),
+            cu_seqlens=cu,
+            log_decay=leaves["g"],
+            beta=leaves["beta"],
+            backend="reference",
         )
         (ref * inputs["w"]).sum().backward()
         # distributed: this rank's rows, the configured backend (fla on CUDA), All-Scan
@@ -272,14 +276,12 @@ def section_scan(ctx) -> tuple[str, dict]:
                     state_mb = heads * dim * dim * torch.finfo(dtype).bits / 8 / 2**20
                     cells = []
                     for method, blocks in methods:
-                        kw = dict(kind=kind, method=method, num_blocks=blocks)
-                        entering = scan_forward(trans, states, plan, **kw)
+                        spec = ScanSpec(plan, kind, method, blocks)
+                        entering = scan_forward(trans, states, spec)
                         iters = 5 if smoke else 15
-                        fwd = median_ms(
-                            partial(scan_forward, trans, states, plan, **kw), iters, 2, device=device
-                        )
+                        fwd = median_ms(partial(scan_forward, trans, states, spec), iters, 2, device=device)
                         bwd = median_ms(
-                            partial(scan_backward, trans, entering, grad_in, plan, **kw),
+                            partial(scan_backward, trans, entering, grad_in, spec),
                             iters,
                             2,
                             device=device,
@@ -486,32 +488,13 @@ def section_simulate(ctx) -> tuple[str, dict]:
                 cells = []
                 for layout, edges in (("chunks", ranks - 1), ("zigzag", 2 * (ranks - 1))):
                     b = best_blocks(edges, state, link, dim)
+                    chain = dict(
+                        edges=edges, ranks=ranks, state_bytes=state, transition_bytes=trans, link=link
+                    )
                     times = {
-                        "serial": chain_scan_time(
-                            "serial",
-                            edges=edges,
-                            ranks=ranks,
-                            state_bytes=state,
-                            transition_bytes=trans,
-                            link=link,
-                        ),
-                        "all_scan": chain_scan_time(
-                            "all_scan",
-                            edges=edges,
-                            ranks=ranks,
-                            state_bytes=state,
-                            transition_bytes=trans,
-                            link=link,
-                            num_blocks=b,
-                        ),
-                        "all_gather": chain_scan_time(
-                            "all_gather",
-                            edges=edges,
-                            ranks=ranks,
-                            state_bytes=state,
-                            transition_bytes=trans,
-                            link=link,
-                        ),
+                        "serial": chain_scan_time("serial", **chain),
+                        "all_scan": chain_scan_time("all_scan", **chain, num_blocks=b),
+                        "all_gather": chain_scan_time("all_gather", **chain),
                     }
                     cells += [
                         f"{times['serial'] * 1e3:.2f}",

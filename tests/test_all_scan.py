@@ -31,7 +31,7 @@ from tolerances import TOL
 
 from hf_distca.data import layout_pieces
 from hf_distca.linear import LinearSPConfig, build_scan_plan, linear_attention
-from hf_distca.linear.ops import chains_of, recurrence_reference
+from hf_distca.linear.ops import chains_of, recurrence
 from hf_distca.planning import PieceError
 
 SCALE = 0.5
@@ -108,12 +108,13 @@ def _op_case(rank: int, case: dict, group=None, group_rank: int | None = None) -
     cu = [0]
     for n in lengths:
         cu.append(cu[-1] + n)
-    alone, _ = recurrence_reference(
+    alone, _ = recurrence(
         *(local[n].detach() for n in ("q", "k", "v")),
         cu_seqlens=cu,
         log_decay=None if local["log_decay"] is None else local["log_decay"].detach(),
         beta=None if local["beta"] is None else local["beta"].detach(),
         scale=SCALE,
+        backend="reference",
     )
     result = {"out": out.detach(), "scan_effect": float((out.detach() - alone).abs().max())}
     for name, x in local.items():
@@ -330,7 +331,7 @@ def test_all_scan_reference_recurrence_matches_oracle(kind):
     inputs = random_inputs(kind, sum(lengths), seed=3)
     leaves = {n: (x.clone().requires_grad_(True) if x is not None else None) for n, x in inputs.items()}
     cu = [0, 13, 14, 21, 41]
-    out, final = recurrence_reference(
+    out, final = recurrence(
         leaves["q"],
         leaves["k"],
         leaves["v"],
@@ -339,6 +340,7 @@ def test_all_scan_reference_recurrence_matches_oracle(kind):
         beta=leaves["beta"],
         scale=SCALE,
         output_final_state=True,
+        backend="reference",
     )
     (out * inputs["w"]).sum().backward()
     ref_leaves = {n: (x.clone().requires_grad_(True) if x is not None else None) for n, x in inputs.items()}
@@ -358,8 +360,16 @@ def test_all_scan_reference_matches_transformers_delta_rule_and_closed_form():
 
     inputs = random_inputs("delta", 30, seed=4, dtype=torch.float32)
     q, k, v, g, beta = (inputs[n] for n in ("q", "k", "v", "log_decay", "beta"))
-    ours, final = recurrence_reference(
-        q, k, v, cu_seqlens=[0, 30], log_decay=g, beta=beta, scale=K_SCALE, output_final_state=True
+    ours, final = recurrence(
+        q,
+        k,
+        v,
+        cu_seqlens=[0, 30],
+        log_decay=g,
+        beta=beta,
+        scale=K_SCALE,
+        output_final_state=True,
+        backend="reference",
     )
     theirs, their_final = torch_recurrent_gated_delta_rule(
         q[None], k[None], v[None], g=g[None], beta=beta[None], output_final_state=True
@@ -369,7 +379,7 @@ def test_all_scan_reference_matches_transformers_delta_rule_and_closed_form():
 
     inputs = random_inputs("scalar", 25, seed=5)
     q, k, v, g = (inputs[n] for n in ("q", "k", "v", "log_decay"))
-    ours, _ = recurrence_reference(q, k, v, cu_seqlens=[0, 25], log_decay=g, scale=SCALE)
+    ours, _ = recurrence(q, k, v, cu_seqlens=[0, 25], log_decay=g, scale=SCALE, backend="reference")
     cum = g.cumsum(0)  # (T, H)
     causal = torch.ones(25, 25, dtype=g.dtype).tril()[:, :, None]  # (T, T, 1): key j <= query i
     decay = (cum[:, None, :] - cum[None, :, :]).exp() * causal  # (T, T, H)

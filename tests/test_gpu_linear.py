@@ -17,14 +17,8 @@ import torch
 from all_scan_cases import random_transition
 from tolerances import TOL
 
-from hf_distca.linear.ops.chunked import recurrence_chunked
-from hf_distca.linear.ops.fla_backend import (
-    fla_available,
-    fla_stalled_reason_on,
-    fla_unsafe_reason_on,
-    recurrence_fla,
-)
-from hf_distca.linear.ops.recurrence import recurrence_reference
+from hf_distca.linear.ops import recurrence
+from hf_distca.linear.ops.fla_backend import fla_available, fla_stalled_reason_on, fla_unsafe_reason_on
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 needs_fla = pytest.mark.skipif(not fla_available(), reason="needs fla-core (pip install -e .[fla])")
@@ -56,7 +50,7 @@ def _inputs(kind: str, seed: int = 0) -> dict:
     }
 
 
-def _run(fn, inputs: dict, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def _run(backend: str, inputs: dict, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, dict]:
     leaves = {
         n: inputs[n].to("cuda", dtype).detach().requires_grad_(True)
         for n in ("q", "k", "v", "beta", "h0")
@@ -70,7 +64,7 @@ def _run(fn, inputs: dict, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tens
     cu = [0]
     for n in LENGTHS:
         cu.append(cu[-1] + n)
-    out, final = fn(
+    out, final = recurrence(
         leaves["q"],
         leaves["k"],
         leaves["v"],
@@ -79,6 +73,7 @@ def _run(fn, inputs: dict, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tens
         beta=leaves.get("beta"),
         initial_state=leaves["h0"],
         output_final_state=True,
+        backend=backend,
     )
     loss = (out.double() * inputs["w_out"].cuda()).sum() + (final.double() * inputs["w_state"].cuda()).sum()
     loss.backward()
@@ -99,10 +94,10 @@ def _skip_unsafe_fla(kind: str) -> None:
         pytest.skip(f"fla-core's kernel for {kind!r} is not started here ('auto' runs 'chunked'): {stalled}")
 
 
-def _check(fn, kind: str, tol: str) -> None:
+def _check(backend: str, kind: str, tol: str) -> None:
     inputs = _inputs(kind)
-    ref_out, ref_final, ref_grads = _run(recurrence_reference, inputs, torch.float64)
-    out, final, grads = _run(fn, inputs, torch.float32)
+    ref_out, ref_final, ref_grads = _run("reference", inputs, torch.float64)
+    out, final, grads = _run(backend, inputs, torch.float32)
     rtol = TOL[tol][0]
     assert _rel(out, ref_out) <= rtol, ("out", _rel(out, ref_out))
     assert _rel(final, ref_final) <= rtol, ("final state", _rel(final, ref_final))
@@ -113,7 +108,7 @@ def _check(fn, kind: str, tol: str) -> None:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_chunked_matches_the_reference_on_cuda(kind):
-    _check(recurrence_chunked, kind, "gpu_linear_chunked")
+    _check("chunked", kind, "gpu_linear_chunked")
 
 
 @pytest.mark.parametrize("backend", ["auto", "chunked", pytest.param("fla", marks=needs_fla)])
@@ -160,4 +155,4 @@ def test_qwen3_next_layer_matches_the_reference(backend):
 @pytest.mark.parametrize("kind", KINDS)
 def test_fla_chunk_kernels_match_the_reference(kind):
     _skip_unsafe_fla(kind)
-    _check(recurrence_fla, kind, "gpu_linear")
+    _check("fla", kind, "gpu_linear")

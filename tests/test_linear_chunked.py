@@ -24,8 +24,6 @@ import hf_distca.linear.ops.fla_backend as fla_backend
 import hf_distca.linear.ops.local as local
 from hf_distca.linear import LinearSPConfig
 from hf_distca.linear.ops import fla_kind, fla_unsafe_reason, recurrence, resolve_backend
-from hf_distca.linear.ops.chunked import recurrence_chunked
-from hf_distca.linear.ops.recurrence import recurrence_reference
 
 SCALE = 0.5
 CHUNK = 8
@@ -39,8 +37,8 @@ def _cu(lengths: list[int]) -> list[int]:
     return cu
 
 
-def _run(fn, inputs: dict, lengths: list[int], h0: torch.Tensor | None, **kw) -> dict:
-    """Outputs, final states and the gradients of every input of loss = sum(o * w) + sum(final * w_state)."""
+def _run(backend: str, inputs: dict, lengths: list[int], h0: torch.Tensor | None, **kw) -> dict:
+    """The recurrence with ``backend``: outputs, final states and the gradients of every input of loss = sum(o * w) + sum(final * w_state)."""
     leaves = {
         n: inputs[n].clone().requires_grad_(True)
         for n in ("q", "k", "v", "log_decay", "beta")
@@ -48,7 +46,7 @@ def _run(fn, inputs: dict, lengths: list[int], h0: torch.Tensor | None, **kw) ->
     }
     if h0 is not None:
         leaves["h0"] = h0.clone().requires_grad_(True)
-    out, final = fn(
+    out, final = recurrence(
         leaves["q"],
         leaves["k"],
         leaves["v"],
@@ -58,6 +56,7 @@ def _run(fn, inputs: dict, lengths: list[int], h0: torch.Tensor | None, **kw) ->
         scale=SCALE,
         initial_state=leaves.get("h0"),
         output_final_state=True,
+        backend=backend,
         **kw,
     )
     w_state = torch.linspace(-1, 1, final.numel(), dtype=final.dtype).view(final.shape)
@@ -83,18 +82,16 @@ def _h0(lengths: list[int], seed: int = 0) -> torch.Tensor:
 def test_chunked_matches_reference_float64(kind):
     inputs = random_inputs(kind, sum(LENGTHS), seed=1)
     h0 = _h0(LENGTHS)
-    want = _run(recurrence_reference, inputs, LENGTHS, h0)
-    got = _run(recurrence_chunked, inputs, LENGTHS, h0, chunk_size=CHUNK)
+    want = _run("reference", inputs, LENGTHS, h0)
+    got = _run("chunked", inputs, LENGTHS, h0, chunk_size=CHUNK)
     _assert_matches(got, want, kind)
-    assert (
-        want["out"] - _run(recurrence_reference, inputs, LENGTHS, None)["out"]
-    ).abs().max() > 1e-2  # h0 matters
+    assert (want["out"] - _run("reference", inputs, LENGTHS, None)["out"]).abs().max() > 1e-2  # h0 matters
     # the default chunk (64): a document over two chunks and one inside the first
     lengths = [150, 3, 64]
     inputs = random_inputs(kind, sum(lengths), seed=2)
     _assert_matches(
-        _run(recurrence_chunked, inputs, lengths, _h0(lengths, 1)),
-        _run(recurrence_reference, inputs, lengths, _h0(lengths, 1)),
+        _run("chunked", inputs, lengths, _h0(lengths, 1)),
+        _run("reference", inputs, lengths, _h0(lengths, 1)),
         f"{kind}, C=64",
     )
 
@@ -106,12 +103,12 @@ def test_chunked_strong_gates_stay_finite_and_exact(kind):
     inputs = random_inputs(kind, sum(lengths), seed=3)
     inputs["log_decay"] = -5.0 - torch.rand(inputs["log_decay"].shape, dtype=torch.float64)
     h0 = _h0(lengths, 2)
-    want = _run(recurrence_reference, inputs, lengths, h0)
-    got = _run(recurrence_chunked, inputs, lengths, h0)
+    want = _run("reference", inputs, lengths, h0)
+    got = _run("chunked", inputs, lengths, h0)
     _assert_matches(got, want, kind)
     as32 = {n: (x.float() if x is not None else None) for n, x in inputs.items()}
     as32["log_decay"] = as32["log_decay"] * 10  # exp(-3800) over a chunk: underflows to 0, never inf / NaN
-    got32 = _run(recurrence_chunked, as32, lengths, h0.float())
+    got32 = _run("chunked", as32, lengths, h0.float())
     assert all(bool(torch.isfinite(x).all()) for x in got32.values()), kind
 
 
@@ -130,19 +127,20 @@ def test_chunked_per_key_dim_pairs_in_groups_recomputed_in_backward(kind, monkey
     monkeypatch.setattr(chunked, "_pairwise_vector", recording)
     inputs = random_inputs(kind, sum(LENGTHS), seed=4)
     h0 = _h0(LENGTHS, 3)
-    got = _run(recurrence_chunked, inputs, LENGTHS, h0, chunk_size=CHUNK)
+    got = _run("chunked", inputs, LENGTHS, h0, chunk_size=CHUNK)
     chunks = sum(-(-n // CHUNK) for n in LENGTHS)
     assert sizes == [1] * (2 * chunks), sizes  # forward, then each group once more in backward
-    _assert_matches(got, _run(recurrence_reference, inputs, LENGTHS, h0), kind)
+    _assert_matches(got, _run("reference", inputs, LENGTHS, h0), kind)
     sizes.clear()
     with torch.no_grad():
-        recurrence_chunked(
+        recurrence(
             inputs["q"],
             inputs["k"],
             inputs["v"],
             cu_seqlens=_cu(LENGTHS),
             log_decay=inputs["log_decay"],
             beta=inputs["beta"],
+            backend="chunked",
             chunk_size=CHUNK,
         )
     assert sizes == [1] * chunks  # no gradients: nothing to recompute
@@ -154,9 +152,9 @@ def test_chunked_low_precision_inputs(kind):
     outputs, float32 final states (the state is computed in float32)."""
     lengths = [40, 7]
     inputs = random_inputs(kind, sum(lengths), seed=5)
-    want = _run(recurrence_reference, inputs, lengths, None)
+    want = _run("reference", inputs, lengths, None)
     got = _run(
-        recurrence_chunked,
+        "chunked",
         {n: (x.float() if x is not None else None) for n, x in inputs.items()},
         lengths,
         None,
@@ -164,7 +162,7 @@ def test_chunked_low_precision_inputs(kind):
     assert got["out"].dtype == got["final"].dtype == torch.float32
     _assert_matches(got, want, kind, tol="fp32")
     bf16 = {n: (x.to(torch.bfloat16) if x is not None and n != "log_decay" else x) for n, x in inputs.items()}
-    out, final = recurrence_chunked(
+    out, final = recurrence(
         bf16["q"],
         bf16["k"],
         bf16["v"],
@@ -173,6 +171,7 @@ def test_chunked_low_precision_inputs(kind):
         beta=bf16["beta"],
         scale=SCALE,
         output_final_state=True,
+        backend="chunked",
     )
     assert out.dtype == torch.bfloat16 and final.dtype == torch.float32
     assert float((out.double() - want["out"]).abs().max() / want["out"].abs().max()) < 5e-2
@@ -183,14 +182,16 @@ def test_chunked_backend_through_recurrence_and_bad_input():
     args = (inputs["q"], inputs["k"], inputs["v"])
     kw = dict(cu_seqlens=_cu(LENGTHS), log_decay=inputs["log_decay"], beta=inputs["beta"], scale=SCALE)
     out, _ = recurrence(*args, **kw, backend="chunked")
-    ref, _ = recurrence_reference(*args, **kw)
+    ref, _ = recurrence(*args, **kw, backend="reference")
     torch.testing.assert_close(out, ref, rtol=TOL["linear_fp64"][0], atol=TOL["linear_fp64"][1])
     with pytest.raises(ValueError, match="chunk_size"):
-        recurrence_chunked(*args, **kw, chunk_size=0)
+        recurrence(*args, **kw, backend="chunked", chunk_size=0)
+    with pytest.raises(ValueError, match="chunk_size applies to backend='chunked' only"):
+        recurrence(*args, **kw, backend="reference", chunk_size=8)
     with pytest.raises(ValueError, match="cu_seqlens must rise"):
-        recurrence_chunked(*args, cu_seqlens=[0, 3])
+        recurrence(*args, cu_seqlens=[0, 3], backend="chunked")
     with pytest.raises(ValueError, match="initial_state must be shaped"):
-        recurrence_chunked(*args, cu_seqlens=_cu(LENGTHS), initial_state=torch.zeros(1, H, K, V))
+        recurrence(*args, cu_seqlens=_cu(LENGTHS), initial_state=torch.zeros(1, H, K, V), backend="chunked")
     with pytest.raises(ValueError, match="backend must be one of"):
         LinearSPConfig(backend="triton")
     with pytest.raises(ValueError, match="backend must be one of"):
@@ -290,7 +291,7 @@ def test_resolve_backend_auto_and_explicit(fake_cuda):
     cpu = torch.device("cpu")
     assert resolve_backend("auto", cpu, kind="delta") == "reference"  # CPU: the reference
     assert resolve_backend("chunked", cpu) == "chunked"
-    assert resolve_backend("fla", cpu) == "fla"  # recurrence_fla itself refuses CPU tensors
+    assert resolve_backend("fla", cpu) == "fla"  # the fla backend itself refuses CPU tensors
     cuda = fake_cuda(HOPPER, "3.6.0")  # the H200 of issue 15: Triton 3.6 (torch 2.11), no tilelang
     chosen = {kind: resolve_backend("auto", cuda, kind=kind) for kind in KINDS}
     # scalar, delta: fla is wrong there; the others: correct, but fla's first call takes minutes on the H200

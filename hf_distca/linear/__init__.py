@@ -9,7 +9,7 @@ ranks with All-Scan (ZeCO), serial hand-off (LASP-1) or all-gather (LASP-2).
 """
 
 from hf_distca.linear.config import LINEAR_BACKENDS, SCAN_METHODS, LinearSPConfig
-from hf_distca.linear.ops import build_scan_plan, linear_attention, recurrence_reference, scan_states
+from hf_distca.linear.ops import build_scan_plan, linear_attention, recurrence, scan_states
 
 __all__ = [
     "LINEAR_BACKENDS",
@@ -17,6 +17,6 @@ __all__ = [
     "LinearSPConfig",
     "build_scan_plan",
     "linear_attention",
-    "recurrence_reference",
+    "recurrence",
     "scan_states",
 ]

@@ -2,10 +2,9 @@
 flash-linear-attention kernels) and the choice among them, the cross-rank state scan, and the short causal
 convolution of gated-DeltaNet layers with its cross-rank halo exchange."""
 
-from hf_distca.linear.ops.all_scan import SCAN_METHODS, scan_backward, scan_forward, scan_states
-from hf_distca.linear.ops.chunked import recurrence_chunked
+from hf_distca.linear.ops.all_scan import SCAN_METHODS, ScanSpec, scan_backward, scan_forward, scan_states
 from hf_distca.linear.ops.conv_halo import HaloPlan, build_halo_plan, causal_conv_pieces
-from hf_distca.linear.ops.fla_backend import fla_available, fla_kind, fla_unsafe_reason, recurrence_fla
+from hf_distca.linear.ops.fla_backend import fla_available, fla_kind, fla_unsafe_reason
 from hf_distca.linear.ops.local import (
     piece_transitions,
     prepare_backend,
@@ -13,7 +12,7 @@ from hf_distca.linear.ops.local import (
     resolve_backend,
     state_contribution,
 )
-from hf_distca.linear.ops.recurrence import recurrence_reference, transition_kind
+from hf_distca.linear.ops.recurrence import Recurrence, transition_kind
 from hf_distca.linear.ops.scan_plan import Edge, ScanPlan, build_scan_plan, chains_of
 from hf_distca.linear.ops.sequence_parallel import linear_attention
 
@@ -21,7 +20,9 @@ __all__ = [
     "SCAN_METHODS",
     "Edge",
     "HaloPlan",
+    "Recurrence",
     "ScanPlan",
+    "ScanSpec",
     "build_halo_plan",
     "build_scan_plan",
     "causal_conv_pieces",
@@ -33,9 +34,6 @@ __all__ = [
     "piece_transitions",
     "prepare_backend",
     "recurrence",
-    "recurrence_chunked",
-    "recurrence_fla",
-    "recurrence_reference",
     "resolve_backend",
     "scan_backward",
     "scan_forward",

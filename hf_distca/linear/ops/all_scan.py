@@ -27,6 +27,7 @@ The group is always passed in (None: the default group).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -35,7 +36,18 @@ from hf_distca.comm import all_gather_padded
 from hf_distca.linear.config import SCAN_METHODS
 from hf_distca.linear.ops.scan_plan import Edge, ScanPlan
 
-__all__ = ["SCAN_METHODS", "apply_transition", "scan_backward", "scan_forward", "scan_states"]
+__all__ = ["SCAN_METHODS", "ScanSpec", "apply_transition", "scan_backward", "scan_forward", "scan_states"]
+
+
+class ScanSpec(NamedTuple):
+    """How one scan runs, forward and backward: its plan, the transitions' kind ('scalar', 'vector' or
+    'dense'), the method (one of ``SCAN_METHODS``), All-Scan's number of column blocks and the group."""
+
+    plan: ScanPlan
+    kind: str
+    method: str = "all_scan"
+    num_blocks: int = 8
+    group: Any = None
 
 
 def apply_transition(kind: str, a: torch.Tensor, x: torch.Tensor, transpose: bool = False) -> torch.Tensor:
@@ -94,25 +106,22 @@ def _global_rank(group, rank: int) -> int:
 
 
 def _pipelined(
-    kind: str,
+    spec: ScanSpec,
     transitions: torch.Tensor,
     local_terms: torch.Tensor,
     sends: list[_Send],
     recvs: list[_Recv],
     num_results: int,
     transpose: bool,
-    depth: int,
-    num_blocks: int,
-    rank: int,
-    group,
 ) -> torch.Tensor:
     """Run one direction of the chain scan; return the received states (num_results, H, K, V)."""
+    kind, rank, group = spec.kind, spec.plan.rank, spec.group
     h, kd, vd = local_terms.shape[1:]
     results = local_terms.new_zeros((num_results, h, kd, vd))
     if not sends and not recvs:
         return results
-    blocks = _column_blocks(vd, num_blocks)
-    steps = depth + len(blocks) - 1
+    blocks = _column_blocks(vd, 1 if spec.method == "serial" else spec.num_blocks)
+    steps = spec.plan.max_chain_edges + len(blocks) - 1
     sends = sorted(sends, key=lambda s: s.key)
     recvs = sorted(recvs, key=lambda r: r.key)
     for step in range(steps):
@@ -163,18 +172,10 @@ def _reverse_position(e: Edge) -> int:
     return e.chain_edges - 1 - e.position
 
 
-def scan_forward(
-    transitions: torch.Tensor,
-    local_states: torch.Tensor,
-    plan: ScanPlan,
-    *,
-    kind: str,
-    method: str = "all_scan",
-    num_blocks: int = 8,
-    group=None,
-) -> torch.Tensor:
+def scan_forward(transitions: torch.Tensor, local_states: torch.Tensor, spec: ScanSpec) -> torch.Tensor:
     """States entering this rank's in pieces (n_in, H, K, V) from the transitions (n_out, ...) and local
     final states (n_out, H, K, V) of its out pieces (no autograd; see :func:`scan_states`)."""
+    plan, kind, method, _, group = spec
     h, kd, vd = local_states.shape[1:]
     transitions = transitions.to(local_states.dtype)
     if method == "all_gather":
@@ -198,35 +199,15 @@ def scan_forward(
     recvs = [
         _Recv(e.src_rank, e.position, (e.chain, e.position), slot) for slot, e in enumerate(plan.in_edges)
     ]
-    blocks = 1 if method == "serial" else num_blocks
-    return _pipelined(
-        kind,
-        transitions,
-        local_states,
-        sends,
-        recvs,
-        len(plan.in_pieces),
-        False,
-        plan.max_chain_edges,
-        blocks,
-        plan.rank,
-        group,
-    )
+    return _pipelined(spec, transitions, local_states, sends, recvs, len(plan.in_pieces), False)
 
 
 def scan_backward(
-    transitions: torch.Tensor,
-    entering: torch.Tensor,
-    grad_entering: torch.Tensor,
-    plan: ScanPlan,
-    *,
-    kind: str,
-    method: str = "all_scan",
-    num_blocks: int = 8,
-    group=None,
+    transitions: torch.Tensor, entering: torch.Tensor, grad_entering: torch.Tensor, spec: ScanSpec
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reverse scan: from the gradients reaching this rank's entering states (n_in, H, K, V) to the
     gradients of its out pieces' transitions and local final states. ``entering`` is the forward result."""
+    plan, kind, method, _, group = spec
     h, kd, vd = grad_entering.shape[1:]
     transitions = transitions.to(grad_entering.dtype)
     n_out = len(plan.out_pieces)
@@ -261,20 +242,7 @@ def scan_backward(
             _Recv(e.dst_rank, _reverse_position(e), (e.chain, e.position), slot)
             for slot, e in enumerate(plan.out_edges)
         ]
-        blocks = 1 if method == "serial" else num_blocks
-        grad_leaving = _pipelined(
-            kind,
-            transitions,
-            grad_entering,
-            sends,
-            recvs,
-            n_out,
-            True,
-            plan.max_chain_edges,
-            blocks,
-            plan.rank,
-            group,
-        )
+        grad_leaving = _pipelined(spec, transitions, grad_entering, sends, recvs, n_out, True)
     grad_transitions = torch.zeros_like(transitions)
     for slot, in_slot in enumerate(plan.out_input_slot):
         if in_slot >= 0:
@@ -284,36 +252,18 @@ def scan_backward(
 
 class _StateScan(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, transitions, local_states, anchor, plan, kind, method, num_blocks, group):
-        entering = scan_forward(
-            transitions.detach(),
-            local_states.detach(),
-            plan,
-            kind=kind,
-            method=method,
-            num_blocks=num_blocks,
-            group=group,
-        )
+    def forward(ctx, transitions, local_states, anchor, spec: ScanSpec):
+        entering = scan_forward(transitions.detach(), local_states.detach(), spec)
         ctx.save_for_backward(transitions, entering)
-        ctx.args = (plan, kind, method, num_blocks, group, transitions.dtype)
+        ctx.spec = spec
         token = local_states.new_zeros(())
         return entering, token
 
     @staticmethod
     def backward(ctx, grad_entering, grad_token):
         transitions, entering = ctx.saved_tensors
-        plan, kind, method, num_blocks, group, dtype = ctx.args
-        grad_a, grad_s = scan_backward(
-            transitions,
-            entering,
-            grad_entering.contiguous(),
-            plan,
-            kind=kind,
-            method=method,
-            num_blocks=num_blocks,
-            group=group,
-        )
-        return grad_a.to(dtype), grad_s, None, None, None, None, None, None
+        grad_a, grad_s = scan_backward(transitions, entering, grad_entering.contiguous(), ctx.spec)
+        return grad_a.to(transitions.dtype), grad_s, None, None
 
 
 def scan_states(
@@ -344,4 +294,6 @@ def scan_states(
         )
     if anchor is None:
         anchor = local_states.new_zeros(())
-    return _StateScan.apply(transitions, local_states, anchor, plan, kind, method, num_blocks, group)
+    return _StateScan.apply(
+        transitions, local_states, anchor, ScanSpec(plan, kind, method, num_blocks, group)
+    )

@@ -1,6 +1,6 @@
 """The linear-attention recurrences in chunks of C tokens: plain PyTorch, any device, differentiable by autograd.
 
-Same contract as :func:`hf_distca.linear.ops.recurrence.recurrence_reference`. Inside one chunk of a
+The backend 'chunked' of :func:`hf_distca.linear.ops.recurrence` (the reference's math). Inside one chunk of a
 sequence, with S_0 the state entering it, G_t = g_1 + ... + g_t the cumulative log decay since the chunk
 start (per head, or per key dimension) and Gamma_t = exp(G_t):
 
@@ -32,14 +32,12 @@ inputs' dtype and final states in the compute dtype.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from hf_distca.linear.ops.recurrence import check_offsets, check_recurrence_inputs
+from hf_distca.linear.ops.recurrence import Recurrence
 
-__all__ = ["CHUNK_SIZE", "recurrence_chunked"]
+__all__ = ["CHUNK_SIZE", "run_chunked"]
 
 CHUNK_SIZE = 64
 """Tokens per chunk (fla's chunk size as well)."""
@@ -124,32 +122,17 @@ def _apply(a: torch.Tensor | None, state: torch.Tensor) -> torch.Tensor:
     return a @ state  # (a, H, K, K) @ (a, H, K, V)
 
 
-def recurrence_chunked(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    cu_seqlens: Sequence[int],
-    log_decay: torch.Tensor | None = None,
-    beta: torch.Tensor | None = None,
-    scale: float = 1.0,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    chunk_size: int = CHUNK_SIZE,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def run_chunked(call: Recurrence, chunk_size: int = CHUNK_SIZE) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The recurrence over packed sequences in chunks of ``chunk_size`` tokens (see the module docstring).
 
-    q, k: (T, H, K); v: (T, H, V); log_decay: None, (H,), (T, H) or (T, H, K); beta: None or (T, H);
-    cu_seqlens: host offsets of the N packed sequences; initial_state: (N, H, K, V) or None (zeros).
     Returns o (T, H, V) in the inputs' dtype and, if asked, the final states (N, H, K, V) in the compute
     dtype (float32 at least).
     """
-    check_recurrence_inputs(q, k, v, log_decay, beta)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    q, k, v, bounds, log_decay, beta, scale, initial_state, output_final_state = call
     t, h, kd = q.shape
     vd = v.shape[-1]
-    bounds = check_offsets(cu_seqlens, t, initial_state, (h, kd, vd))
     out_dtype = torch.promote_types(q.dtype, v.dtype)
     dtype = torch.promote_types(out_dtype, torch.float32)
     device = q.device

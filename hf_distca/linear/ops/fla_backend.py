@@ -24,10 +24,11 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-from collections.abc import Sequence
 
 import torch
 from packaging.version import Version
+
+from hf_distca.linear.ops.recurrence import Recurrence
 
 __all__ = [
     "FLA_FIX",
@@ -38,7 +39,7 @@ __all__ = [
     "fla_stalled_reason_on",
     "fla_unsafe_reason",
     "fla_unsafe_reason_on",
-    "recurrence_fla",
+    "run_fla",
 ]
 
 FLA_KINDS = ("none", "const", "scalar", "vector", "delta", "kda")
@@ -53,7 +54,7 @@ def fla_available() -> bool:
 
 
 def fla_kind(log_decay: torch.Tensor | None, beta: torch.Tensor | None) -> str:
-    """Which fla kernel :func:`recurrence_fla` runs for these gates (one of ``FLA_KINDS``)."""
+    """Which fla kernel :func:`run_fla` runs for these gates (one of ``FLA_KINDS``)."""
     if beta is not None:
         return "kda" if log_decay is not None and log_decay.dim() == 3 else "delta"
     if log_decay is None:
@@ -190,19 +191,9 @@ def fla_unsafe_reason_on(
     )
 
 
-def recurrence_fla(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    cu_seqlens: Sequence[int],
-    log_decay: torch.Tensor | None = None,
-    beta: torch.Tensor | None = None,
-    scale: float = 1.0,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Same contract as :func:`hf_distca.linear.ops.recurrence.recurrence_reference`, on CUDA tensors."""
+def run_fla(call: Recurrence) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The backend 'fla' of :func:`hf_distca.linear.ops.recurrence`: the reference's math, on CUDA tensors."""
+    q, k, v, bounds, log_decay, beta, scale, initial_state, output_final_state = call
     if not q.is_cuda:
         raise ValueError(
             "the 'fla' linear-attention backend runs on CUDA tensors; use backend='reference' or 'chunked' on CPU"
@@ -214,7 +205,6 @@ def recurrence_fla(
     if reason is not None:
         raise ValueError(f"backend='fla' cannot run this {kind!r} transition: {reason}. {FLA_FIX}")
     t, h, _ = q.shape
-    bounds = [int(x) for x in cu_seqlens]
     cu_cpu = torch.tensor(bounds, dtype=torch.long)
     cu = cu_cpu.to(q.device)
     q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)  # (1, T, H, D)

@@ -20,16 +20,16 @@ from collections.abc import Sequence
 import torch
 
 from hf_distca.linear.config import LINEAR_BACKENDS
-from hf_distca.linear.ops.chunked import recurrence_chunked
+from hf_distca.linear.ops.chunked import run_chunked
 from hf_distca.linear.ops.fla_backend import (
     FLA_FIX,
     fla_available,
     fla_kind,
     fla_stalled_reason_on,
     fla_unsafe_reason_on,
-    recurrence_fla,
+    run_fla,
 )
-from hf_distca.linear.ops.recurrence import recurrence_reference
+from hf_distca.linear.ops.recurrence import Recurrence, check_offsets, check_recurrence_inputs, run_reference
 
 __all__ = [
     "prepare_backend",
@@ -39,7 +39,7 @@ __all__ = [
     "state_contribution",
 ]
 
-_RECURRENCES = {"reference": recurrence_reference, "chunked": recurrence_chunked, "fla": recurrence_fla}
+_RECURRENCES = {"reference": run_reference, "chunked": run_chunked, "fla": run_fla}
 
 
 def resolve_backend(
@@ -91,20 +91,28 @@ def recurrence(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     backend: str = "auto",
+    chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The recurrence over packed sequences with the chosen backend (see ``recurrence_reference``)."""
+    """The recurrence over packed sequences (the math: :mod:`hf_distca.linear.ops.recurrence`) with the
+    chosen backend (:func:`resolve_backend`); inputs are checked here, once, for every backend.
+
+    q, k: (T, H, K); v: (T, H, V); log_decay: None, (H,), (T, H) or (T, H, K); beta: None or (T, H);
+    cu_seqlens: host offsets of the N packed sequences; initial_state: (N, H, K, V) or None (zeros).
+    Returns o (T, H, V) and, if asked, the final states (N, H, K, V). 'reference' is the per-token loop
+    (the oracle: differentiable, any device, computes in the inputs' dtype); 'chunked' returns o in the
+    inputs' dtype and final states in float32 at least, and takes ``chunk_size`` (tokens per chunk, default
+    64; only for 'chunked').
+    """
+    check_recurrence_inputs(q, k, v, log_decay, beta)
+    t, h, kd = q.shape
+    bounds = check_offsets(cu_seqlens, t, initial_state, (h, kd, v.shape[-1]))
+    call = Recurrence(q, k, v, bounds, log_decay, beta, scale, initial_state, output_final_state)
     name = resolve_backend(backend, q.device, kind=fla_kind(log_decay, beta), dtype=q.dtype)
-    return _RECURRENCES[name](
-        q,
-        k,
-        v,
-        cu_seqlens=cu_seqlens,
-        log_decay=log_decay,
-        beta=beta,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-    )
+    if chunk_size is None:
+        return _RECURRENCES[name](call)
+    if name != "chunked":
+        raise ValueError(f"chunk_size applies to backend='chunked' only, not to {name!r}; drop it")
+    return run_chunked(call, chunk_size)
 
 
 def _gather_runs(x: torch.Tensor | None, runs: Sequence[tuple[int, int]]) -> torch.Tensor | None:

@@ -26,10 +26,33 @@ max(length) / 64 steps.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
-__all__ = ["check_offsets", "check_recurrence_inputs", "recurrence_reference", "transition_kind"]
+__all__ = ["Recurrence", "check_offsets", "check_recurrence_inputs", "run_reference", "transition_kind"]
+
+
+class Recurrence(NamedTuple):
+    """One recurrence call over packed sequences, checked by :func:`hf_distca.linear.ops.recurrence` (its
+    arguments, with the offsets on the host): what every backend runs."""
+
+    q: torch.Tensor
+    """(T, H, K)"""
+    k: torch.Tensor
+    """(T, H, K)"""
+    v: torch.Tensor
+    """(T, H, V)"""
+    bounds: list[int]
+    """Host offsets [0, l0, l0 + l1, ..., T] of the N packed sequences."""
+    log_decay: torch.Tensor | None
+    """None (no decay), (H,), (T, H) or (T, H, K)."""
+    beta: torch.Tensor | None
+    """None, or (T, H) for the delta rule."""
+    scale: float
+    initial_state: torch.Tensor | None
+    """(N, H, K, V), or None: zeros."""
+    output_final_state: bool
 
 
 def transition_kind(log_decay: torch.Tensor | None, beta: torch.Tensor | None) -> str:
@@ -102,28 +125,12 @@ def _with_zero_row(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x, x.new_zeros((1, *x.shape[1:]))])  # (T + 1, ...)
 
 
-def recurrence_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    cu_seqlens: Sequence[int],
-    log_decay: torch.Tensor | None = None,
-    beta: torch.Tensor | None = None,
-    scale: float = 1.0,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run the recurrence token by token (differentiable, any device and dtype).
-
-    q, k: (T, H, K); v: (T, H, V); log_decay: None, (H,), (T, H) or (T, H, K); beta: None or (T, H);
-    cu_seqlens: host offsets of the N packed sequences; initial_state: (N, H, K, V) or None (zeros).
-    Returns o (T, H, V) and, if asked, the final states (N, H, K, V).
-    """
-    check_recurrence_inputs(q, k, v, log_decay, beta)
+def run_reference(call: Recurrence) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run the recurrence token by token (differentiable, any device and dtype): the oracle of the other
+    backends. Returns o (T, H, V) and, if asked, the final states (N, H, K, V)."""
+    q, k, v, bounds, log_decay, beta, scale, initial_state, output_final_state = call
     t, h, kd = q.shape
     vd = v.shape[-1]
-    bounds = check_offsets(cu_seqlens, t, initial_state, (h, kd, vd))
     num_seqs = len(bounds) - 1
     rows, longest = _padded_rows(bounds, q.device)
     # padding steps must leave the state unchanged: zero key/value/beta, zero log decay (factor 1)
