@@ -99,6 +99,7 @@ def agree_on_table(
     the ranks' tables measured with ``backend`` over ``lens`` (default the start-up grid) with
     ``warmup`` / ``repeats`` calls per cell (default the start-up ones); else None (causal pairs).
     Collective on ``group`` when it has several ranks; on one process the shipped table or None."""
+    global last_measurement_seconds
     shipped = find_shipped_table(device_name, dtype, q_heads, kv_heads, head_dim, backend)
     _, world = group_rank_world(group)
     if world == 1:
@@ -114,27 +115,9 @@ def agree_on_table(
             "planning with causal pairs"
         )
         return None
-    return _measure_mean(
-        group, device, dtype, q_heads, kv_heads, head_dim, backend, lens, fuse_tokens, warmup, repeats
-    )
-
-
-def _measure_mean(
-    group: Any,
-    device: torch.device,
-    dtype: torch.dtype,
-    q_heads: int,
-    kv_heads: int,
-    head_dim: int,
-    backend: str,
-    lens: list[int] | None,
-    fuse_tokens: int,
-    warmup: int | None,
-    repeats: int | None,
-) -> MeasuredCost:
     from hf_distca import calibrate  # the calibration command imports the kernels and the engine
 
-    global last_measurement_seconds
+    # the mean of the ranks' measured tables
     lens = sorted(set(calibrate.STARTUP_LENS if lens is None else lens))
     start = time.perf_counter()
     seconds, _ = calibrate.calibrate(
@@ -151,7 +134,6 @@ def _measure_mean(
         repeats=calibrate.STARTUP_REPEATS if repeats is None else repeats,
         log=logger.debug,
     )
-    _, world = group_rank_world(group)
     table = torch.tensor(
         [[float("nan") if x is None else x for x in row] for row in seconds], dtype=torch.float64
     )  # (len(lens), len(lens)); NaN where q_len > kv_len, on every rank alike
