@@ -18,6 +18,7 @@ from tolerances import TOL
 from hf_distca import kernels
 from hf_distca.engine import local_attention
 from hf_distca.kernels import (
+    ForwardTensors,
     UnsupportedFeatureError,
     attention_backward,
     attention_forward,
@@ -236,7 +237,7 @@ def test_cudnn_launch_writes_only_its_own_rows():
     out, lse = torch.zeros_like(q), torch.zeros(q.shape[:2], device="cuda")
     cudnn_frontend.launch_forward(packed, q, k, v, out, lse, scale)
     dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
-    cudnn_frontend.launch_backward(packed, dout, q, k, v, out, lse, dq, dk, dv, scale)
+    cudnn_frontend.launch_backward(packed, dout, ForwardTensors(q, k, v, out, lse), (dq, dk, dv), scale)
     assert not dq[:429].isnan().any() and dq[429:].isnan().all()
     for grad in (dk, dv):
         assert not grad[:429].isnan().any() and grad[429:].isnan().all()

@@ -35,6 +35,7 @@ from hf_distca import metrics
 from hf_distca.checkpointing import keep_for_recompute, take_saved_attention
 from hf_distca.engine.op import LocalRunner, engine_runner
 from hf_distca.engine.prepare import prepare
+from hf_distca.kernels import ForwardTensors, VarlenLayout
 from hf_distca.packing import cu_seqlens_from_lengths, packed_document_lengths
 
 __all__ = [
@@ -157,7 +158,7 @@ def _core_bwd(
     window: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     runner, _ = _core_runner(q, k, v, token, runtime_key, scale, window)
-    dq, dk, dv, _ = runner.backward(q, k, v, out, lse, dout)
+    dq, dk, dv, _ = runner.backward(ForwardTensors(q, k, v, out, lse), dout)
     return dq, dk, dv
 
 
@@ -208,7 +209,7 @@ def _local_runner(q, cu_seq_lens, position_ids, batch: int, scale, backend: str,
     )
     longest = max(lengths, default=0)
     cu = cu_seqlens_from_lengths(lengths, device=torch.device("cpu"))
-    return LocalRunner(cu, cu, longest, longest, scale, backend, window)
+    return LocalRunner(VarlenLayout(cu, cu, longest, longest), scale, backend, window)
 
 
 @torch.library.custom_op("hf_distca::local_attention_fwd", mutates_args=())
@@ -251,7 +252,7 @@ def _local_bwd(
     window: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     runner = _local_runner(q, cu_seq_lens, position_ids, batch, scale, backend, window)
-    dq, dk, dv, _ = runner.backward(q, k, v, out, lse, dout)
+    dq, dk, dv, _ = runner.backward(ForwardTensors(q, k, v, out, lse), dout)
     return dq, dk, dv
 
 

@@ -53,22 +53,18 @@ import torch
 from hf_distca import metrics
 from hf_distca.checkpointing import SavedAttention, keep_for_recompute, take_saved_attention
 from hf_distca.config import DistCAConfig
-from hf_distca.engine import interleave
+from hf_distca.engine import interleave, stages
 from hf_distca.engine.layer_op import interleaved_core_attention
 from hf_distca.engine.nano import NanoSplit, nano_batches, whole
 from hf_distca.engine.prepare import PreparedAttention, prepare
-from hf_distca.engine.stages import (
-    compute,
-    compute_backward,
-    dispatch,
-    dispatch_backward,
-    gather_grads,
-    gather_outputs,
-    return_grads,
-    return_outputs,
-    stage_range,
+from hf_distca.engine.stages import stage_range
+from hf_distca.kernels import (
+    ForwardTensors,
+    VarlenLayout,
+    attention_backward,
+    attention_forward,
+    sinks_backward,
 )
-from hf_distca.kernels import attention_backward, attention_forward, sinks_backward
 
 
 def _wait(exchange) -> torch.Tensor | None:
@@ -142,7 +138,7 @@ class PingPongRunner:
         outs, lses = [], []
 
         def run(j, part, received):
-            out_kernel, lse = compute(
+            out_kernel, lse = stages.compute(
                 part,
                 q,
                 k,
@@ -159,34 +155,28 @@ class PingPongRunner:
 
         returning = self._interleave(
             "fwd",
-            lambda part: dispatch(part, q, k, v, group, async_op=self.overlaps),
+            lambda part: stages.dispatch(part, q, k, v, group, async_op=self.overlaps),
             run,
-            lambda part, out_kernel: return_outputs(part, out_kernel, group, async_op=self.overlaps),
+            lambda part, out_kernel: stages.return_outputs(part, out_kernel, group, async_op=self.overlaps),
         )
         gathered = []
         for j, part in enumerate(parts):
             with stage_range(name("fwd.wait_return", j)):
                 returned = _wait(returning[j])
-            gathered.append(gather_outputs(part, outs[j], returned))  # (rows_j, Hq, D)
+            gathered.append(stages.gather_outputs(part, outs[j], returned))  # (rows_j, Hq, D)
         out = self._in_local_order(gathered, q.device)  # (T_local, Hq, D)
         return out, (lses[0] if len(lses) == 1 else torch.cat(lses))  # lse: (Tk_0 + Tk_1 + ..., Hq)
 
     def backward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        dout: torch.Tensor,
-        sinks: torch.Tensor | None = None,
+        self, fwd: ForwardTensors, dout: torch.Tensor, sinks: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        q, k, v, out, lse = fwd
         parts, group, name = self.split.parts, self.group, self._name
         lses = lse.split([len(part.index.kernel_q_index) for part in parts])
         dsinks = []  # per part, this server's share of the sinks' gradient
 
         def run(j, part, received):
-            *grads, dsinks_j = compute_backward(
+            *grads, dsinks_j = stages.compute_backward(
                 part, q, k, v, out, dout, lses[j], received, scale=self.scale, backend=self.backend,
                 softcap=self.softcap, sinks=sinks,
             )  # fmt: skip
@@ -195,16 +185,16 @@ class PingPongRunner:
 
         returning = self._interleave(
             "bwd",
-            lambda part: dispatch_backward(part, q, k, v, out, dout, group, async_op=self.overlaps),
+            lambda part: stages.dispatch_backward(part, q, k, v, out, dout, group, async_op=self.overlaps),
             run,
-            lambda part, grads: return_grads(
+            lambda part, grads: stages.return_grads(
                 part, *grads, group, async_op=self.overlaps
             ),  # grads: dq, dk, dv
         )
         dqs, dk, dv = [], None, None
         for j, part in enumerate(parts):
             with stage_range(name("bwd.wait_return", j)):
-                dq_j, dk_j, dv_j = gather_grads(part, returning[j], None)  # dk/dv: accumulation dtype
+                dq_j, dk_j, dv_j = stages.gather_grads(part, returning[j], None)  # dk/dv: accumulation dtype
             returning[j] = None
             dqs.append(dq_j)  # (rows_j, Hq, D)
             dk, dv = (dk_j, dv_j) if dk is None else (dk + dk_j, dv + dv_j)  # (T_local, Hkv, D)
@@ -217,17 +207,11 @@ class PingPongRunner:
 class LocalRunner:
     """Causal attention of this process's own sequences (no communication)."""
 
-    cu_seqlens_q: torch.Tensor
-    cu_seqlens_k: torch.Tensor
-    max_seqlen_q: int
-    max_seqlen_k: int
+    layout: VarlenLayout
     scale: float | None
     backend: str
     window: int | None = None
     softcap: float | None = None
-
-    def _seqs(self) -> tuple:
-        return self.cu_seqlens_q, self.cu_seqlens_k, self.max_seqlen_q, self.max_seqlen_k
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None = None
@@ -235,20 +219,14 @@ class LocalRunner:
         if q.shape[0]:
             metrics.record_forward_kernel()
         return attention_forward(
-            q, k, v, *self._seqs(), scale=self.scale, backend=self.backend, window=self.window,
+            q, k, v, *self.layout, scale=self.scale, backend=self.backend, window=self.window,
             softcap=self.softcap, sinks=sinks,
         )  # fmt: skip
 
     def backward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        dout: torch.Tensor,
-        sinks: torch.Tensor | None = None,
+        self, fwd: ForwardTensors, dout: torch.Tensor, sinks: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        q, k, v, out, lse = fwd
         dout = dout.contiguous()
         grads = attention_backward(
             dout,
@@ -257,7 +235,7 @@ class LocalRunner:
             v,
             out,
             lse,
-            *self._seqs(),
+            *self.layout,
             scale=self.scale,
             backend=self.backend,
             window=self.window,
@@ -286,7 +264,7 @@ class _AttentionOp(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):  # type: ignore[override]
         q, k, v, out = ctx.saved_tensors
-        dq, dk, dv, dsinks = ctx.runner.backward(q, k, v, out, ctx.lse, dout, ctx.sinks)
+        dq, dk, dv, dsinks = ctx.runner.backward(ForwardTensors(q, k, v, out, ctx.lse), dout, ctx.sinks)
         return dq, dk, dv, None, None, dsinks
 
 
@@ -385,7 +363,6 @@ def local_attention(
     saved = take_saved_attention(q.shape[0])
     if saved is not None:
         return _replay(q, k, v, saved, sinks)
-    runner = LocalRunner(
-        cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale, backend, window, softcap
-    )
+    layout = VarlenLayout(cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
+    runner = LocalRunner(layout, scale, backend, window, softcap)
     return _AttentionOp.apply(q, k, v, runner, None, sinks)

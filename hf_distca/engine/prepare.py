@@ -37,6 +37,7 @@ from hf_distca.engine.consistency import (
 )
 from hf_distca.engine.cost_probe import auto_cost_table
 from hf_distca.engine.link_probe import with_measured_link
+from hf_distca.kernels import VarlenLayout
 from hf_distca.planning import (
     CorePlan,
     DispatchIndex,
@@ -89,9 +90,11 @@ class PreparedAttention:
     def rank(self) -> int:
         return self.index.rank
 
-    def kernel_seqs(self) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-        """The server kernel's (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)."""
-        return self.cu_seqlens_q, self.cu_seqlens_k, self.index.max_seqlen_q, self.index.max_seqlen_k
+    def kernel_seqs(self) -> VarlenLayout:
+        """The server kernel's packed layout."""
+        return VarlenLayout(
+            self.cu_seqlens_q, self.cu_seqlens_k, self.index.max_seqlen_q, self.index.max_seqlen_k
+        )
 
     @property
     def window(self) -> int | None:

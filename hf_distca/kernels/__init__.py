@@ -29,8 +29,10 @@ import torch
 from hf_distca.config import KERNEL_BACKENDS
 from hf_distca.kernels import cudnn_frontend, flash, reference, torch_varlen
 from hf_distca.kernels.common import (
+    ForwardTensors,
     PackedSeqs,
     UnsupportedFeatureError,
+    VarlenLayout,
     check_backward_inputs,
     check_inputs,
     check_sinks,
@@ -42,7 +44,9 @@ from hf_distca.kernels.sinks import with_sinks
 
 __all__ = [
     "CudnnOptions",
+    "ForwardTensors",
     "UnsupportedFeatureError",
+    "VarlenLayout",
     "attention_backward",
     "attention_forward",
     "available_backends",
@@ -63,7 +67,8 @@ class _Backend:
     forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     """(q, k, v, seqs, scale) -> (out, lse); cudnn also takes its CudnnOptions last."""
     backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    """(dout, q, k, v, out, lse, seqs, scale) -> (dq, dk, dv); cudnn also takes its CudnnOptions last."""
+    """(dout, ForwardTensors(q, k, v, out, lse), seqs, scale) -> (dq, dk, dv); cudnn also takes its
+    CudnnOptions last."""
     missing: str
     """What to install when ``available()`` is False."""
     window: Callable[[], bool] = lambda: True
@@ -200,11 +205,7 @@ def _forward(
 
 def _backward(
     dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
+    fwd: ForwardTensors,
     seqs: PackedSeqs,
     scale: float,
     name: str,
@@ -212,9 +213,9 @@ def _backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_features(seqs, name)
     options = _options(name, cudnn_options)
-    if q.shape[0] == 0:
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    dq, dk, dv = _BACKENDS[name].backward(dout, q, k, v, out, lse, seqs, scale, *options)
+    if fwd.q.shape[0] == 0:
+        return torch.zeros_like(fwd.q), torch.zeros_like(fwd.k), torch.zeros_like(fwd.v)
+    dq, dk, dv = _BACKENDS[name].backward(dout, fwd, seqs, scale, *options)
     for i in range(seqs.num_seqs):
         if seqs.q_len(i) == 0 and seqs.k_len(i) > 0:  # keys nobody queries: zero whatever the kernel left
             dk[seqs.k_bounds[i] : seqs.k_bounds[i + 1]] = 0
@@ -252,7 +253,8 @@ def attention_forward(
     :func:`sinks_backward`). ``cudnn_options``: how the cudnn backend runs (None: its defaults; only when the
     backend is cudnn).
     """
-    seqs = check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window, softcap)
+    layout = VarlenLayout(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    seqs = check_inputs(q, k, v, layout, window, softcap)
     if sinks is not None:
         check_sinks(sinks, q)
     name = resolve_backend(backend, q.device, q.dtype, softcap=seqs.softcap)
@@ -286,11 +288,12 @@ def attention_backward(
     forward of the same inputs, ``window`` and ``softcap`` (any backend: all agree up to rounding); with
     sinks, the forward's (out, lse) already hold them and these gradients are exact as they are. ``cudnn_options``: as in :func:`attention_forward`.
     """
-    seqs = check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window, softcap)
+    layout = VarlenLayout(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    seqs = check_inputs(q, k, v, layout, window, softcap)
     check_backward_inputs(dout, q, out, lse)
     name = resolve_backend(backend, q.device, q.dtype, softcap=seqs.softcap)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _backward(dout, q, k, v, out, lse, seqs, scale, name, cudnn_options)
+    return _backward(dout, ForwardTensors(q, k, v, out, lse), seqs, scale, name, cudnn_options)
 
 
 def sinks_backward(

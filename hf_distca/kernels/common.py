@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -52,14 +53,39 @@ class PackedSeqs:
         return self.k_bounds[i + 1] - self.k_bounds[i]
 
 
+class VarlenLayout(NamedTuple):
+    """The packed layout of a varlen call, as flash-attn's varlen API (and :func:`attention_forward`) takes it."""
+
+    cu_seqlens_q: torch.Tensor
+    """(N + 1,) int offsets of the query rows."""
+    cu_seqlens_k: torch.Tensor
+    """(N + 1,) int offsets of the key/value rows."""
+    max_seqlen_q: int
+    """Upper bound on any sequence's query count."""
+    max_seqlen_k: int
+    """Upper bound on any sequence's key count."""
+
+
+class ForwardTensors(NamedTuple):
+    """What every backend's backward reads of its forward: the inputs and the forward's results."""
+
+    q: torch.Tensor
+    """(Tq, Hq, D)"""
+    k: torch.Tensor
+    """(Tk, Hkv, D)"""
+    v: torch.Tensor
+    """(Tk, Hkv, D)"""
+    out: torch.Tensor
+    """(Tq, Hq, D), the forward's output"""
+    lse: torch.Tensor
+    """(Tq, Hq), the forward's log-sum-exp of the scaled scores"""
+
+
 def check_inputs(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
+    layout: VarlenLayout,
     window: int | None = None,
     softcap: float | None = None,
 ) -> PackedSeqs:
@@ -68,6 +94,7 @@ def check_inputs(
     Reading the offsets on the host synchronises with the device when they live on a GPU; callers
     that want to avoid the synchronisation pass them on the CPU (backends move them as needed).
     """
+    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = layout
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(
             f"varlen attention expects q, k, v shaped (T, H, D); got {tuple(q.shape)}, "

@@ -52,7 +52,7 @@ from enum import IntEnum
 
 import torch
 
-from hf_distca.kernels.common import PackedSeqs
+from hf_distca.kernels.common import ForwardTensors, PackedSeqs
 
 SUFFIX_STRATEGIES = ("bottom_right", "split")
 TOP_LEFT, BOTTOM_RIGHT, FULL = "causal_top_left", "causal_bottom_right", "full"
@@ -483,22 +483,19 @@ def launch_forward(
 def launch_backward(
     call: KernelCall,
     dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    dq: torch.Tensor,
-    dk: torch.Tensor,
-    dv: torch.Tensor,
+    fwd: ForwardTensors,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     scale: float,
     *,
     bucket_shapes: bool = True,
 ) -> None:
-    """Write this call's dq rows (at call.out_rows) into dq and its keys' rows into dk and dv.
+    """Write this call's dq rows (at call.out_rows) into dq and its keys' rows into dk and dv
+    (``grads`` = (dq, dk, dv), shaped like q, k, v).
 
-    out and lse are the final (merged) forward results at the query rows: every part of a split
+    fwd's out and lse are the final (merged) forward results at the query rows: every part of a split
     sequence differentiates against them. ``bucket_shapes``: as :attr:`CudnnOptions.bucket_shapes`."""
+    q, k, v, out, lse = fwd
+    dq, dk, dv = grads
     hq, hk, d = q.shape[1], k.shape[1], q.shape[2]
     b, s_q, s_kv = _batch_and_lengths(call, bucket_shapes)
     totals = (
@@ -610,11 +607,7 @@ def forward(
 
 def backward(
     dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
+    fwd: ForwardTensors,
     seqs: PackedSeqs,
     scale: float,
     options: CudnnOptions = DEFAULT_OPTIONS,
@@ -626,6 +619,7 @@ def backward(
     unaffected): so every backward launch gets its query side (q, out, dout, lse, dq) and key side (k, v,
     dk, dv) packed, gathering the rows of calls that are not already packed.
     """
+    q, k, v, out, lse = fwd
     dout, q, k, v, out = (_aligned(t) for t in (dout, q, k, v, out))
     lse = _aligned(lse.float())
     dq = torch.empty_like(q)  # every query row is written by exactly one non-side call
@@ -653,20 +647,8 @@ def backward(
             k_c, v_c = k.index_select(0, k_index), v.index_select(0, k_index)  # (keys, Hkv, D)
             dk_c, dv_c = torch.empty_like(k_c), torch.empty_like(v_c)
         dq_c = dq if q_in_place and not call.side else q.new_empty(rows, *q.shape[1:])  # (rows, Hq, D)
-        launch_backward(
-            packed,
-            dout_c,
-            q_c,
-            k_c,
-            v_c,
-            out_c,
-            lse_c,
-            dq_c,
-            dk_c,
-            dv_c,
-            scale,
-            bucket_shapes=options.bucket_shapes,
-        )
+        fwd_c = ForwardTensors(q_c, k_c, v_c, out_c, lse_c)
+        launch_backward(packed, dout_c, fwd_c, (dq_c, dk_c, dv_c), scale, bucket_shapes=options.bucket_shapes)
         if call.side:  # the non-causal part of split sequences: add onto the causal part's dq
             if q_in_place:
                 dq[:rows] += dq_c

@@ -14,7 +14,7 @@ import inspect
 
 import torch
 
-from hf_distca.kernels.common import PackedSeqs, device_offsets
+from hf_distca.kernels.common import ForwardTensors, PackedSeqs, device_offsets
 
 
 @functools.lru_cache(maxsize=1)
@@ -66,15 +66,9 @@ def forward(
 
 
 def backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    seqs: PackedSeqs,
-    scale: float,
+    dout: torch.Tensor, fwd: ForwardTensors, seqs: PackedSeqs, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q, k, v, out, lse = fwd
     fn = _interface()._flash_attn_varlen_backward
     cu_q, cu_k = _offsets(seqs, q.device)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

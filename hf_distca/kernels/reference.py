@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_distca.kernels.common import PackedSeqs, check_inputs, check_sinks
+from hf_distca.kernels.common import ForwardTensors, PackedSeqs, VarlenLayout, check_inputs, check_sinks
 from hf_distca.kernels.sinks import with_sinks
 
 _Q_CHUNK = 1024
@@ -91,18 +91,12 @@ def forward(
 
 
 def backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    seqs: PackedSeqs,
-    scale: float,
+    dout: torch.Tensor, fwd: ForwardTensors, seqs: PackedSeqs, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Closed-form gradients: P = exp(S - lse), dV = P^T dO, dP = dO V^T, delta = rowsum(dO * O),
     dS = P * (dP - delta), dQ = scale dS K, dK = scale dS^T Q; GQA sums dK/dV over each query group.
     With softcap, S = c tanh(R / c) of the raw scaled scores R, and dR = dS * (1 - tanh^2(R / c))."""
+    q, k, v, out, lse = fwd
     hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
     groups = hq // hkv
     compute = _compute_dtype(q.dtype)
@@ -159,7 +153,8 @@ def reference_varlen_attention(
     Same layout, masking, softcapping and sinks as :func:`hf_distca.kernels.attention_forward`; returns
     out, and with ``return_lse`` also lse.
     """
-    seqs = check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window, softcap)
+    layout = VarlenLayout(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    seqs = check_inputs(q, k, v, layout, window, softcap)
     out, lse = forward(q, k, v, seqs, q.shape[-1] ** -0.5 if scale is None else scale)
     if sinks is not None:
         check_sinks(sinks, q)

@@ -17,7 +17,7 @@ import inspect
 
 import torch
 
-from hf_distca.kernels.common import PackedSeqs, device_offsets
+from hf_distca.kernels.common import ForwardTensors, PackedSeqs, device_offsets
 
 
 @functools.lru_cache(maxsize=1)
@@ -99,15 +99,9 @@ def forward(
 
 
 def backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    seqs: PackedSeqs,
-    scale: float,
+    dout: torch.Tensor, fwd: ForwardTensors, seqs: PackedSeqs, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q, k, v, out, lse = fwd
     cu_q, cu_k = _device_offsets(seqs, q.device)
     hq, hkv = q.shape[1], k.shape[1]
     lse_kernel = lse.float().transpose(0, 1).contiguous()  # (Hq, Tq)
