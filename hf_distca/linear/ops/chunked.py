@@ -1,6 +1,6 @@
 """The linear-attention recurrences in chunks of C tokens: plain PyTorch, any device, differentiable by autograd.
 
-The backend 'chunked' of :func:`hf_distca.linear.ops.recurrence` (the reference's math). Inside one chunk of a
+The backend 'chunked' of :func:`hf_distca.linear.ops.local.recurrence` (the reference's math). Inside one chunk of a
 sequence, with S_0 the state entering it, G_t = g_1 + ... + g_t the cumulative log decay since the chunk
 start (per head, or per key dimension) and Gamma_t = exp(G_t):
 

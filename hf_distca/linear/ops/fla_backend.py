@@ -1,5 +1,5 @@
-"""flash-linear-attention's chunk kernels (package ``fla-core``, imported as ``fla``) behind the reference's API,
-and when they are safe to use.
+"""flash-linear-attention's chunk kernels (package ``fla-core``, imported as ``fla``) as the 'fla' backend of
+``recurrence``, and when they are safe to use.
 
 fla kernels take (B, T, H, D) with B = 1 for packed sequences, ``cu_seqlens`` as a long tensor on the
 device, and states (N, H, K, V) in float32; they support ``initial_state`` and ``output_final_state``
@@ -192,7 +192,7 @@ def fla_unsafe_reason_on(
 
 
 def run_fla(call: Recurrence) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The backend 'fla' of :func:`hf_distca.linear.ops.recurrence`: the reference's math, on CUDA tensors."""
+    """The backend 'fla' of :func:`hf_distca.linear.ops.local.recurrence`: the reference's math, on CUDA tensors."""
     q, k, v, bounds, log_decay, beta, scale, initial_state, output_final_state = call
     if not q.is_cuda:
         raise ValueError(

@@ -34,7 +34,7 @@ __all__ = ["Recurrence", "check_offsets", "check_recurrence_inputs", "run_refere
 
 
 class Recurrence(NamedTuple):
-    """One recurrence call over packed sequences, checked by :func:`hf_distca.linear.ops.recurrence` (its
+    """One recurrence call over packed sequences, checked by :func:`hf_distca.linear.ops.local.recurrence` (its
     arguments, with the offsets on the host): what every backend runs."""
 
     q: torch.Tensor
