@@ -20,7 +20,7 @@ bandwidth per GPU) and prices every rank's work:
   ``DistCAConfig(ping_pong=True)``: the engine's nano-batches inside each attention call,
   hf_distca.planning.nano) and ``distca-layers`` / ``distca-comm-layers`` (layer-level ping-pong: the
   micro-batch's whole documents in two nano-batches of about equal estimated cost, each laid out over all
-  ranks at the same tokens per rank and planned on its own, as the data path does:
+  ranks at its own tokens per rank (the fewest that hold it) and planned on its own, as the data path does:
   :func:`hf_distca.data.nano.split_documents` and :func:`~hf_distca.data.nano.nano_tokens_per_rank`; a
   micro-batch of one document runs whole, serial; run through the layers as coroutines that switch at the
   attention function).
@@ -507,9 +507,8 @@ def simulate_micro_batch(
         split = split_documents(lengths, system.nanos)  # as the data path (hf_distca.data.nano)
         if split is not None:
             groups = [[int(lengths[i]) for i in g] for g in split]
-            tokens_per_rank = nano_tokens_per_rank(groups, s.world)
             plans, plan_s = [], 0.0
-            for group in groups:
+            for group, tokens_per_rank in zip(groups, nano_tokens_per_rank(groups, s.world), strict=True):
                 _, plan, seconds = plan_layout(system, group, s, tokens_per_rank, tolerance)
                 plans.append(plan)
                 plan_s += seconds
@@ -938,8 +937,8 @@ def write_report(rows: list[Row], info: dict, args, command: str) -> str:
         "DistCAConfig(ping_pong=True), its default split: nano-batches inside each attention call, messages "
         "hidden only behind kernels of the same call), distca-layers and distca-comm-layers (layer-level "
         "ping-pong, DistCAConfig(layer_ping_pong=True), not DistCA's default: the micro-batch's whole "
-        "documents in two nano-batches of about equal estimated cost, each laid out over all ranks at the "
-        "same tokens per rank and planned on its own, as the data path does (hf_distca.data.nano), run "
+        "documents in two nano-batches of about equal estimated cost, each laid out over all ranks at its "
+        "own tokens per rank (the fewest that hold it) and planned on its own, as the data path does (hf_distca.data.nano), run "
         "through the layers as coroutines in the engine's order (hf_distca.planning.schedule.layer_ping_pong, "
         "asserted against the engine's stages by tests/test_layer_ping_pong.py): while one nano-batch's "
         "messages fly the other runs its projections, MLP or layer backward). Ideal: the exact computation of "
