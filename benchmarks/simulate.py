@@ -874,6 +874,11 @@ def system_settings(system: System, info: dict) -> str:
             "layer_ping_pong=True, not DistCA's default (DistCAConfig.layer_ping_pong is False until measured "
             f"on 2 or more GPUs), {system.nanos} nano-batches"
         )
+        if system.comm_aware and system.hide_window:
+            fields.append(
+                "layer_seconds_per_token=the simulated non-attention seconds per token per layer (each phase "
+                "priced as exposed only beyond the other nano-batch's work it flies behind)"
+            )
     if system.shard_tokens is not None:
         fields.append(f"shard_tokens={system.shard_tokens}")
     if not system.balance:
