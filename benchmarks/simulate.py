@@ -15,12 +15,14 @@ bandwidth per GPU) and prices every rank's work:
   0.1, balancing compute only), ``distca-comm`` (the same planner pricing communication on the simulated
   links: ``DistCAConfig(link_gib_per_s=--inter-node-gibps, ranks_per_node=--gpus-per-node,
   intra_node_gib_per_s=the intra-node all-to-all at 256 MiB per rank)``, see :func:`planner_config`,
-  and the layout DistCACallback builds from that config: documents cut inside one node),
+  and the layout DistCACallback builds from that config: documents cut inside one node; under layer-level
+  ping-pong also ``layer_seconds_per_token``, the simulated non-attention seconds per token per layer: the
+  planner prices transfers as hidden behind the other nano-batch's layers),
   ``distca-pingpong`` / ``distca-comm-pingpong`` (those plans under attention-level ping-pong,
   ``DistCAConfig(ping_pong=True)``: the engine's nano-batches inside each attention call,
   hf_distca.planning.nano) and ``distca-layers`` / ``distca-comm-layers`` (layer-level ping-pong: the
   micro-batch's whole documents in two nano-batches of about equal estimated cost, each laid out over all
-  ranks at the same tokens per rank and planned on its own, as the data path does:
+  ranks at its own tokens per rank (the fewest that hold it) and planned on its own, as the data path does:
   :func:`hf_distca.data.nano.split_documents` and :func:`~hf_distca.data.nano.nano_tokens_per_rank`; a
   micro-batch of one document runs whole, serial; run through the layers as coroutines that switch at the
   attention function).
@@ -103,7 +105,7 @@ from hf_distca.data.nano import nano_tokens_per_rank, split_documents
 from hf_distca.planning import MeasuredCost, plan_core_attention
 from hf_distca.planning import schedule as schedule_ops
 from hf_distca.planning.cost import causal_pairs, cost_model_from_config
-from hf_distca.planning.links import attention_flops_per_pair
+from hf_distca.planning.links import LAYER_FORWARD_SHARE, attention_flops_per_pair
 from hf_distca.planning.nano import nano_plans
 from hf_distca.planning.traffic import (
     INTER,
@@ -187,6 +189,10 @@ class System:
     """Nano-batches of layer-level ping-pong."""
     shard_tokens: int | None = None
     """The planner's shard granularity (None: DistCAConfig's)."""
+    hide_window: bool = True
+    """With ``comm_aware`` and the 'layers' schedule: the planner prices transfers as hidden behind the
+    other nano-batch's layers (``DistCAConfig(layer_ping_pong=True, layer_seconds_per_token=`` the
+    simulated non-attention seconds per token per layer``)``); False: every transfer exposed."""
 
 
 SYSTEM_SPECS = {
@@ -207,8 +213,12 @@ SYSTEM_SPECS = {
     "distca-comm-layers-shard1k": System(
         "distca-comm-layers-shard1k", "distca", True, True, "layers", True, shard_tokens=1024
     ),
+    # the priced planner without the window layer ping-pong hides transfers behind (every transfer exposed)
+    "distca-comm-layers-exposed": System(
+        "distca-comm-layers-exposed", "distca", True, True, "layers", True, hide_window=False
+    ),
 }
-EXPLORATIONS = ("distca-comm-layers4", "distca-comm-layers-shard1k")
+EXPLORATIONS = ("distca-comm-layers4", "distca-comm-layers-shard1k", "distca-comm-layers-exposed")
 
 
 @dataclass(frozen=True)
@@ -467,6 +477,9 @@ def planner_config(system: System, s: Setting, tolerance: float | None = None) -
             ranks_per_node=s.links.gpus_per_node,
             intra_node_gib_per_s=s.links.intra_gibps_at(PLANNER_INTRA_BYTES),
         )
+        if system.schedule == "layers" and system.hide_window:
+            # what the other nano-batch's layers hide: the simulated non-attention seconds per token
+            fields.update(layer_ping_pong=True, layer_seconds_per_token=s.linear.per_token_layer)
     return DistCAConfig(**fields)
 
 
@@ -507,9 +520,8 @@ def simulate_micro_batch(
         split = split_documents(lengths, system.nanos)  # as the data path (hf_distca.data.nano)
         if split is not None:
             groups = [[int(lengths[i]) for i in g] for g in split]
-            tokens_per_rank = nano_tokens_per_rank(groups, s.world)
             plans, plan_s = [], 0.0
-            for group in groups:
+            for group, tokens_per_rank in zip(groups, nano_tokens_per_rank(groups, s.world), strict=True):
                 _, plan, seconds = plan_layout(system, group, s, tokens_per_rank, tolerance)
                 plans.append(plan)
                 plan_s += seconds
@@ -544,7 +556,7 @@ def pre_share(model: ModelShape) -> float:
     return before / (before + model.hidden * q + 3 * model.hidden * model.intermediate)
 
 
-FORWARD_SHARE = 0.25
+FORWARD_SHARE = LAYER_FORWARD_SHARE
 """Forward's share of a layer's non-attention work under activation checkpointing (forward, recompute,
 backward at about 1 : 1 : 2 of the matmul FLOPs)."""
 
@@ -862,6 +874,11 @@ def system_settings(system: System, info: dict) -> str:
             "layer_ping_pong=True, not DistCA's default (DistCAConfig.layer_ping_pong is False until measured "
             f"on 2 or more GPUs), {system.nanos} nano-batches"
         )
+        if system.comm_aware and system.hide_window:
+            fields.append(
+                "layer_seconds_per_token=the simulated non-attention seconds per token per layer (each phase "
+                "priced as exposed only beyond the other nano-batch's work it flies behind)"
+            )
     if system.shard_tokens is not None:
         fields.append(f"shard_tokens={system.shard_tokens}")
     if not system.balance:
@@ -924,7 +941,10 @@ def write_report(rows: list[Row], info: dict, args, command: str) -> str:
         ),
         "- distca-comm's planner: DistCAConfig(link_gib_per_s=the inter-node figure, ranks_per_node="
         f"{args.gpus_per_node}, intra_node_gib_per_s=the intra-node all-to-all at 256 MiB per rank), "
-        "comm_overlap=0",
+        "comm_overlap=0; for distca-comm-layers also layer_ping_pong=True, layer_seconds_per_token="
+        f"{linear.per_token_layer:.3g} (the non-attention seconds per token per layer above): transfers "
+        "priced as hidden behind the other nano-batch's layer work and kernels (hf_distca.planning.links."
+        "hiding_window; distca-comm-layers-exposed: without it)",
         "",
         "Systems: hf-default (each rank packs whole documents in order, attention local to each piece; "
         "documents longer than the budget become independent chunks: **the math differs**), "
@@ -938,8 +958,8 @@ def write_report(rows: list[Row], info: dict, args, command: str) -> str:
         "DistCAConfig(ping_pong=True), its default split: nano-batches inside each attention call, messages "
         "hidden only behind kernels of the same call), distca-layers and distca-comm-layers (layer-level "
         "ping-pong, DistCAConfig(layer_ping_pong=True), not DistCA's default: the micro-batch's whole "
-        "documents in two nano-batches of about equal estimated cost, each laid out over all ranks at the "
-        "same tokens per rank and planned on its own, as the data path does (hf_distca.data.nano), run "
+        "documents in two nano-batches of about equal estimated cost, each laid out over all ranks at its "
+        "own tokens per rank (the fewest that hold it) and planned on its own, as the data path does (hf_distca.data.nano), run "
         "through the layers as coroutines in the engine's order (hf_distca.planning.schedule.layer_ping_pong, "
         "asserted against the engine's stages by tests/test_layer_ping_pong.py): while one nano-batch's "
         "messages fly the other runs its projections, MLP or layer backward). Ideal: the exact computation of "

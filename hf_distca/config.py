@@ -73,6 +73,18 @@ class DistCAConfig:
     """Fraction in [0, 1] of transfer time that overlap with compute hides, used to price moves: 0 (the
     engine without ping-pong) exposes all of it; 1 prices communication as free (the balance-only plan)."""
 
+    layer_seconds_per_token: float | None = None
+    """Seconds per token of one decoder layer's work besides core attention (norms, projections, MLP:
+    forward, recompute and backward) on one rank; only with ``layer_ping_pong``. Given, the planner prices
+    what layer-level ping-pong hides: a nano-batch's exchanges fly while the other nano-batch runs its
+    layer work or its kernels, so each all-to-all phase is exposed only by ``max(0, its transfer time -
+    the work it flies behind)``: this x the nano-batch's tokens per rank (a quarter in forward) or its mean
+    core-attention seconds per server (the other nano-batch's work, taken equal to this one's: the split,
+    :func:`hf_distca.data.nano.split_documents`, gives them about equal estimated cost); see
+    :func:`hf_distca.planning.links.hiding_window`. On an H200 with a Llama-3-8B-shaped layer
+    (hidden 4096, MLP 14336) ~4e-6 (benchmarks/simulate.py's fit of DESIGN.md's measurements). None:
+    every transfer exposed (times ``1 - comm_overlap``)."""
+
     attention_tflops: float = 300.0
     """Forward+backward core-attention throughput in TFLOP/s that turns causal (query, key) pairs into
     seconds when communication is priced without a measured table (``cost_table`` None, or ``"auto"``
@@ -166,6 +178,19 @@ class DistCAConfig:
             )
         if not (0.0 <= self.comm_overlap <= 1.0):
             raise ValueError(f"DistCAConfig.comm_overlap must be in [0, 1], got {self.comm_overlap!r}")
+        if self.layer_seconds_per_token is not None:
+            if not (
+                isinstance(self.layer_seconds_per_token, int | float) and self.layer_seconds_per_token >= 0
+            ):
+                raise ValueError(
+                    "DistCAConfig.layer_seconds_per_token must be a number of seconds >= 0 or None, "
+                    f"got {self.layer_seconds_per_token!r}"
+                )
+            if not self.layer_ping_pong:
+                raise ValueError(
+                    "DistCAConfig.layer_seconds_per_token prices the exchanges that layer-level ping-pong hides: "
+                    "set layer_ping_pong=True with it, or leave it None"
+                )
         if not (0.0 < self.attention_tflops < float("inf")):
             raise ValueError(
                 f"DistCAConfig.attention_tflops must be a positive finite number, got {self.attention_tflops!r}"

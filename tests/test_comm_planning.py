@@ -34,7 +34,7 @@ from hf_distca.planning import (
     traffic,
 )
 from hf_distca.planning.cost import write_cost_table
-from hf_distca.planning.links import FWD_BWD_FLOP_RATIO, seconds_per_cost_unit
+from hf_distca.planning.links import FWD_BWD_FLOP_RATIO, hiding_window, seconds_per_cost_unit
 
 FLOPS = attention_flops_per_pair(2, 8)  # 2 query heads x 8: 224 FLOPs per pair forward+backward
 GIB = 2**30
@@ -113,9 +113,12 @@ def comm_seconds(plan, layout: Layout, config: DistCAConfig) -> float:
     return sum(max((v[p] for v in phases.values()), default=0.0) for p in range(len(traffic.PHASES)))
 
 
-def critical_path(plan, layout: Layout, config: DistCAConfig) -> float:
+def critical_path(plan, layout: Layout, config: DistCAConfig, link: LinkModel | None = None) -> float:
+    """Slowest compute plus the exposed transfer time: all of it but ``comm_overlap``, or what ``link``'s
+    windows leave exposed."""
     compute = max(plan.load_after, default=0.0) * FLOPS / (config.attention_tflops * 1e12)
-    return compute + (1.0 - config.comm_overlap) * comm_seconds(plan, layout, config)
+    comm = comm_seconds(plan, layout, config)
+    return compute + ((1.0 - config.comm_overlap) * comm if link is None else link.exposed(comm))
 
 
 # ------------------------------------------------------------------------------------- property tests
@@ -331,6 +334,57 @@ def test_phase_seconds_and_comm_closed_form():
     assert LinkModel(1.0, 1.0, None, 0.0, 1.0).link_class(0, 1) == 1
 
 
+def test_layer_ping_pong_window_per_phase():
+    """Under layer-level ping-pong (DistCAConfig.layer_seconds_per_token) each phase of a layer's transfer
+    flies behind the other nano-batch's layer work or kernels of its pass, taken equal to this one's:
+    exposed = sum over phases of max(0, share x transfer - window), the larger phase of a pass behind the
+    shorter work."""
+    link = LinkModel(1.0, 1.0, None, 0.0, seconds_per_cost_unit=0.01)
+    assert hiding_window(link, DistCAConfig(), 100, 35.0, 8, 4) is link  # none asked for
+    config = DistCAConfig(layer_ping_pong=True, layer_seconds_per_token=1e-3)
+    hidden = hiding_window(link, config, 100, 35.0, 8, 4)
+    # per row moved: fwd.dispatch q + kv = 12 B, fwd.return out = 8, bwd.dispatch q, out, dout + kv = 28,
+    # bwd.return dq + dkv = 12; layer work 0.1 s (0.025 forward), kernels 0.35 s (0.1 forward)
+    expected = ((12 / 60, 0.025), (8 / 60, 0.1), (28 / 60, 0.075), (12 / 60, 0.25))
+    np.testing.assert_allclose(hidden.windows, expected, rtol=1e-12)
+    assert hidden.exposed(0.1) == 0.0  # every phase shorter than its window
+    assert hidden.exposed(0.3) == pytest.approx(0.3 * 12 / 60 - 0.025 + 0.3 * 28 / 60 - 0.075, rel=1e-12)
+    assert hidden.exposed(3.0) == pytest.approx(3.0 - 0.45, rel=1e-12)  # every phase longer
+    assert hidden.critical_path(10.0, 3.0) == pytest.approx(0.1 + 2.55, rel=1e-12)
+    halved = hiding_window(LinkModel(1.0, 1.0, None, 0.5, 0.01), config, 100, 35.0, 8, 4)
+    assert halved.exposed(6.0) == pytest.approx(2.55, rel=1e-12)  # comm_overlap applies first
+    assert link.exposed(3.0) == 3.0
+
+
+def test_layer_ping_pong_window_lets_hidden_moves_pay():
+    """test_moves_only_while_they_pay's batch at the link where priced moves do not pay: with the other
+    nano-batch's layer work to hide the returns behind, moving work pays (the dispatches, behind the
+    short kernels, stay mostly exposed); with none, only the kernels hide a little and nothing moves. The
+    critical path the plan reports is the window's, never above no balancing."""
+    layout = Layout(
+        "one_long",
+        [0, 1, 2, 3],
+        [2048, 64, 64, 64],
+        [[(0, 0, 2048)], [(1, 0, 64)], [(2, 0, 64)], [(3, 0, 64)]],
+    )
+    common = {"shard_tokens": 16, "link_gib_per_s": 1e-3, "attention_tflops": 1e-3}
+    exposed = _plan(layout.pieces, DistCAConfig(**common))
+    assert exposed.moves == 0
+    for per_token, moves in ((1.0, 2), (0.0, 0)):
+        config = DistCAConfig(**common, layer_ping_pong=True, layer_seconds_per_token=per_token)
+        plan = _plan(layout.pieces, config)
+        check_plan(plan, layout, config)
+        assert plan.moves == moves
+        assert plan.critical_path_after <= plan.critical_path_before
+        if plan.moves:
+            assert plan.critical_path_after < min(plan.critical_path_before, exposed.critical_path_after)
+        link = link_model_from_config(config, CausalPairsCost(), FLOPS)
+        tokens, mean = (2048 + 3 * 64) / 4, sum(plan.load_before) / 4
+        link = hiding_window(link, config, tokens, mean, Q_ROW, KV_ROW)
+        assert plan.critical_path_after == pytest.approx(plan_critical_path(plan, link), rel=1e-12)
+        assert plan.critical_path_after == pytest.approx(critical_path(plan, layout, config, link), rel=1e-9)
+
+
 def test_seconds_per_cost_unit(tmp_path):
     assert FLOPS == 4 * 2 * 8 * FWD_BWD_FLOP_RATIO
     assert seconds_per_cost_unit(CausalPairsCost(), FLOPS, 300.0) == pytest.approx(FLOPS / 300e12, rel=1e-15)
@@ -373,6 +427,8 @@ def test_seconds_per_cost_unit(tmp_path):
         ({"attention_tflops": 0.0}, r"attention_tflops must be a positive finite number"),
         ({"attention_tflops": math.inf}, r"attention_tflops must be a positive finite number"),
         ({"max_send_bytes_per_rank": 0}, r"max_send_bytes_per_rank must be positive or None, got 0"),
+        ({"layer_seconds_per_token": 4e-6}, r"set layer_ping_pong=True with it"),
+        ({"layer_seconds_per_token": -1.0, "layer_ping_pong": True}, r"must be a number of seconds >= 0"),
     ],
 )
 def test_config_rejects_bad_link_fields(fields, match):

@@ -2,7 +2,7 @@
 
 - The split (no processes): whole documents, estimated cost (tokens and attention pairs) as equal as
   most-expensive-first allows, None when a nano-batch would be empty; the data path lays each nano-batch
-  out on its own, all at the same tokens per rank (the most any needs).
+  out on its own, at its own tokens per rank (the fewest that hold it).
 - The scheduler (one process): turns alternate at switches in a fixed order; a failure in one nano-batch
   stops the other and is raised, without hanging.
 - On 2 and 4 gloo processes (one spawn each): a tiny Llama's micro-batch split into two nano-batches by the data path;
@@ -65,14 +65,39 @@ def test_split_documents_whole_and_even_cost():
         split_documents([1], 0)
 
 
-def test_nano_tokens_per_rank_equal_for_all():
-    """Every nano-batch is laid out at the most tokens per rank any of them needs."""
-    assert nano_tokens_per_rank([[3000, 1000], [500]], 4) == 1000
-    assert nano_tokens_per_rank([[500], [8000]], 4) == 2000
-    assert nano_tokens_per_rank([[32000], [16000, 16000, 16000]], 2) == 24000
-    assert nano_tokens_per_rank([[5], [4]], 2) == 3  # rounded up
+def test_nano_tokens_per_rank_each_its_own():
+    """Every nano-batch is laid out at the fewest tokens per rank that hold it, ceil(its tokens / world)."""
+    assert nano_tokens_per_rank([[3000, 1000], [500]], 4) == [1000, 125]
+    assert nano_tokens_per_rank([[500], [8000]], 4) == [125, 2000]
+    assert nano_tokens_per_rank([[32000], [16000, 16000, 16000]], 2) == [16000, 24000]
+    assert nano_tokens_per_rank([[5], [4]], 2) == [3, 2]  # rounded up
+    assert nano_tokens_per_rank([[0], [4]], 2) == [1, 2]  # a layout needs at least one token per rank
     with pytest.raises(ValueError, match="world must be >= 1"):
         nano_tokens_per_rank([[1]], 0)
+
+
+def test_one_long_document_pads_no_more_than_its_own_ceiling():
+    """One long document dominating the cost sits alone in its nano-batch, the short ones in the other:
+    each is laid out at its own tokens per rank, so the micro-batch's padding is at most world - 1 tokens
+    per nano-batch (laid out alike, at the larger one's, they would hold 1.5x the tokens here)."""
+    world = 4
+    lengths = [24000, 1000, 1200, 900, 1500, 800, 1100, 1000, 500]  # 32000 tokens
+    groups = split_documents(lengths, 2)
+    assert groups == [[0], list(range(1, 9))]
+    group_lengths = [[lengths[i] for i in g] for g in groups]
+    tokens = nano_tokens_per_rank(group_lengths, world)
+    assert tokens == [6000, 2000] and tokens[0] != tokens[1]
+    assert sum(tokens) * world == sum(-(-sum(g) // world) * world for g in group_lengths) == 32000
+    assert 2 * max(tokens) * world == 1.5 * 32000  # the rule before: every nano-batch at the larger one's
+    docs = docs_of(lengths, seed=3)
+    batch = DistCABatches(docs, rank=1, world_size=world, tokens_per_rank=8000, nano_batches=2).micro_batch(
+        docs
+    )
+    a, b = batch[NANO_BATCHES]
+    assert a["input_ids"].shape == (1, 6000) and b["input_ids"].shape == (1, 2000)
+    assert batch["input_ids"].shape == batch["labels"].shape == (1, 8000)
+    for nano, t in zip((a, b), tokens, strict=True):
+        assert all(sum(n for _, _, n in pieces) == t for pieces in nano["distca_layout"].all_pieces)
 
 
 def test_loader_lays_out_each_nano_batch():
@@ -87,7 +112,7 @@ def test_loader_lays_out_each_nano_batch():
     a, b = split[NANO_BATCHES]
     groups = split_documents(LENGTHS, 2)
     tokens = nano_tokens_per_rank([[LENGTHS[i] for i in g] for g in groups], 2)
-    assert a["input_ids"].shape == b["input_ids"].shape == (1, tokens)  # the same tokens per rank in both
+    assert [a["input_ids"].shape, b["input_ids"].shape] == [(1, t) for t in tokens]  # each its own
     assert torch.equal(split["input_ids"], torch.cat([a["input_ids"], b["input_ids"]], dim=1))
     # every document once, whole, in one nano-batch: the pieces of both nano-batches over both ranks
     for nano, group in zip((a, b), groups, strict=True):

@@ -269,20 +269,22 @@ def test_comm_aware_planner_in_the_simulator(monkeypatch):
 
 def test_layer_ping_pong_nano_batches_and_schedule():
     """The data path of layer-level ping-pong (hf_distca.data.nano: whole documents in groups of about
-    equal cost, all laid out at the same tokens per rank); its schedule hides exchanges the serial one
+    equal cost, each laid out at its own tokens per rank); its schedule hides exchanges the serial one
     exposes; a micro-batch of one document runs whole."""
     steps = [[[12000, 6720, 5000, 4000, 3000] + [256] * 8]]  # 32768 tokens: the whole budget, no padding
     s = setting(world=8, tokens_per_rank=4096, gpus_per_node=4, inter_gibps=40.0)
     r = sim.simulate(["exact-unbalanced", "distca", "distca-comm-layers"], steps, s)
     serial, layers = r["distca"], r["distca-comm-layers"]
     assert layers.ideal_step_s == serial.ideal_step_s
-    assert layers.step_s >= layers.ideal_step_s  # the nano-batches pad to at least the whole budget
+    assert layers.step_s >= layers.ideal_step_s
     assert layers.exposed_comm_s < 0.5 * layers.comm_s  # most of it hidden
     assert serial.exposed_comm_s == pytest.approx(serial.comm_s, rel=1e-6)  # all of it exposed
     lengths = steps[0][0]
     groups = [[lengths[i] for i in g] for g in split_documents(lengths, 2)]
     tokens = nano_tokens_per_rank(groups, s.world)
-    plans = [sim.plan_layout(sim.SYSTEM_SPECS["distca-comm-layers"], g, s, tokens)[1] for g in groups]
+    spec = sim.SYSTEM_SPECS["distca-comm-layers"]
+    plans = [sim.plan_layout(spec, g, s, t)[1] for g, t in zip(groups, tokens, strict=True)]
+    assert [p.index.tokens_per_rank for p in plans] == [[t] * s.world for t in tokens]  # each its own
     assert sim.price_plans(plans, s, "layers").step_s == pytest.approx(layers.step_s, rel=REL)  # the same
     alone = sim.simulate(["distca", "distca-layers"], [[[30000]]], s)  # one document: no nano-batches
     assert alone["distca-layers"].step_s == alone["distca"].step_s

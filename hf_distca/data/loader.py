@@ -217,7 +217,7 @@ class DistCABatches(IterableDataset):
     def micro_batch(self, docs: Sequence[Sequence[int]]) -> dict:
         """This rank's share of one global micro-batch of documents. With ``nano_batches`` > 1 (and
         enough documents) its ``distca_nano_batches`` holds one such dict per nano-batch (each laid out
-        on its own, with the same tokens per rank) and its ``input_ids`` and ``labels`` are theirs
+        on its own at its own tokens per rank, :func:`hf_distca.data.nano.nano_tokens_per_rank`) and its ``input_ids`` and ``labels`` are theirs
         concatenated (and ``shift_labels``), for counting only: run it with :func:`hf_distca.forward_nano_batches`."""
         return self._micro_batch(docs)[0]
 
@@ -230,8 +230,8 @@ class DistCABatches(IterableDataset):
             batch, all_pieces = self._laid_out(docs, self.tokens_per_rank)
             return batch, [all_pieces]
         tokens = nano_tokens_per_rank([[len(docs[i]) for i in g] for g in groups], self.world_size)
-        nanos = [self._laid_out([docs[i] for i in g], tokens) for g in groups]
-        labels = torch.cat([b["shift_labels"] for b, _ in nanos], dim=1)  # (1, sum of T_nano)
+        nanos = [self._laid_out([docs[i] for i in g], t) for g, t in zip(groups, tokens, strict=True)]
+        labels = torch.cat([b["shift_labels"] for b, _ in nanos], dim=1)  # (1, sum of T_nano), T_nano differ
         batch = {  # what the Trainer counts (tokens seen, targets: shift_labels, already shifted)
             "input_ids": torch.cat([b["input_ids"] for b, _ in nanos], dim=1),
             "labels": labels,

@@ -1,10 +1,11 @@
 """Nano-batches of a micro-batch for layer-level ping-pong: its documents in groups of about equal cost.
 
 Each nano-batch is a micro-batch of its own (its own layout over the ranks, its own plan), so it can run
-through the model on its own and the two interleave (:mod:`hf_distca.engine.interleave`). Documents stay
-whole: attention never crosses nano-batches, so the results equal those of the micro-batch. The one
-split and the one padding rule of both the data path (:class:`hf_distca.data.DistCABatches`) and the
-simulator (benchmarks/simulate.py); no torch.
+through the model on its own and the two interleave (:mod:`hf_distca.engine.interleave`), each at its
+own tokens per rank (no padding to the larger one). Documents stay whole: attention never crosses
+nano-batches, so the results equal those of the micro-batch. The one split and the one padding rule of
+both the data path (:class:`hf_distca.data.DistCABatches`) and the simulator (benchmarks/simulate.py);
+no torch.
 """
 
 from __future__ import annotations
@@ -40,10 +41,16 @@ def split_documents(lengths: Sequence[int], parts: int = 2) -> list[list[int]] |
     return [sorted(g) for g in groups]
 
 
-def nano_tokens_per_rank(group_lengths: Sequence[Sequence[int]], world: int) -> int:
-    """Tokens per rank of every nano-batch (all laid out alike, so their activations have one shape): the
-    most any nano-batch needs, ``max over groups of ceil(its tokens / world)``; ``group_lengths``: the
-    document lengths of each nano-batch."""
+def nano_tokens_per_rank(group_lengths: Sequence[Sequence[int]], world: int) -> list[int]:
+    """Tokens per rank of each nano-batch: the fewest its layout accepts, ``ceil(its tokens / world)``, so
+    that a nano-batch carries at most ``world - 1`` padding tokens and the nano-batches of a micro-batch
+    together hold at most ``world - 1`` per nano-batch more than its documents. Every layout of
+    :mod:`hf_distca.data.rebatch` accepts any budget with ``world x tokens_per_rank >= the tokens`` (a
+    document cut where it must be); no multiple of ``DistCAConfig.shard_tokens`` is needed (the planner's
+    cuts fall on multiples of it inside documents, wherever a rank's share ends). The nano-batches of one
+    micro-batch therefore differ in shape (one long document alone in a nano-batch holds more tokens than
+    the many short ones of the other): each runs through the model as a micro-batch of its own.
+    ``group_lengths``: the document lengths of each nano-batch."""
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
-    return max(math.ceil(sum(int(n) for n in g) / world) for g in group_lengths)
+    return [max(1, math.ceil(sum(int(n) for n in g) / world)) for g in group_lengths]

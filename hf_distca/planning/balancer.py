@@ -555,7 +555,7 @@ class Balancer:
                 return None
             if self.link is None:
                 return 0.0
-            return (1.0 - self.link.overlap) * added / self.link.seconds_per_cost_unit
+            return self._exposed_seconds(added) / self.link.seconds_per_cost_unit
         after = traffic.after(changes)
         if bound is not None:
             for r, b in after.items():
@@ -566,7 +566,13 @@ class Balancer:
             return 0.0
         new_phases = {r: traffic.rank_phases(b) for r, b in after.items()}
         added = traffic.comm_seconds(new_phases) - traffic.now
-        return (1.0 - self.link.overlap) * added / self.link.seconds_per_cost_unit
+        return self._exposed_seconds(added) / self.link.seconds_per_cost_unit
+
+    def _exposed_seconds(self, added: float) -> float:
+        """Exposed transfer seconds that ``added`` seconds of transfer add to the current ones (the link
+        model's :meth:`~hf_distca.planning.links.LinkModel.exposed`)."""
+        now = self.traffic.now
+        return self.link.exposed(now + added) - self.link.exposed(now)
 
 
 def _candidate_ranges(a: int, b: int, want: float, g: int, cost) -> list[tuple[int, int]]:

@@ -7,17 +7,22 @@ class) / (that class's bandwidth). Every collective is a barrier: a phase lasts 
 and the kernel between two phases as long as its slowest server. The planner's objective, one layer of a
 training step (forward + backward), is therefore
 
-    critical path = max over servers of compute + (1 - overlap) x sum over phases of max over ranks of
-                    the rank's phase time
+    critical path = max over servers of compute + exposed(sum over phases of max over ranks of the
+                    rank's phase time)
+    exposed(transfer) = max(0, (1 - overlap) x transfer - window)
 
-where compute is the server's core-attention time and ``overlap`` the fraction of transfer time that
-overlapping communication with compute hides (``DistCAConfig.comm_overlap``). Compute time comes from
+where compute is the server's core-attention time, ``overlap`` the fraction of transfer time that
+overlapping communication with compute hides (``DistCAConfig.comm_overlap``) and ``window`` the seconds of
+other work each phase flies behind: under layer-level ping-pong the other nano-batch's layer work or
+kernels (:func:`hiding_window`, from ``DistCAConfig.layer_seconds_per_token``), else none. With windows,
+``exposed`` is the sum over the phases of ``max(0, share x (1 - overlap) x transfer - window)``. Compute time comes from
 the cost model: a measured table (:class:`~hf_distca.planning.cost.MeasuredCost`) is already in seconds;
 causal (query, key) pairs are turned into seconds at ``DistCAConfig.attention_tflops``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -31,8 +36,10 @@ from hf_distca.planning.cost import (
     attention_flops_per_pair,
 )
 from hf_distca.planning.traffic import (
+    CARRIES,
     INTER,
     INTRA,
+    PHASES,
     distinct_phases,
     forward_phases,
     link_classes,
@@ -42,10 +49,12 @@ from hf_distca.planning.traffic import (
 
 __all__ = [
     "FWD_BWD_FLOP_RATIO",
+    "LAYER_FORWARD_SHARE",
     "Changes",
     "LinkModel",
     "PhaseTimes",
     "attention_flops_per_pair",
+    "hiding_window",
     "link_model_from_config",
     "plan_critical_path",
     "seconds_per_cost_unit",
@@ -69,6 +78,9 @@ class LinkModel:
     """Fraction of transfer time hidden under compute, in [0, 1]."""
     seconds_per_cost_unit: float
     """Seconds of one layer's forward+backward core attention per unit of the cost model."""
+    windows: tuple[tuple[float, float], ...] = ()
+    """Per all-to-all phase of a layer, (its share of the layer's transfer time, seconds of other work it
+    flies behind) (:func:`hiding_window`); empty: no such work."""
 
     def link_class(self, a: int, b: int) -> int:
         """The link class of ranks ``a`` and ``b`` (:func:`~hf_distca.planning.traffic.link_classes`)."""
@@ -98,10 +110,18 @@ class LinkModel:
             total += float(count) * seconds
         return float(total)
 
+    def exposed(self, comm_seconds: float) -> float:
+        """Seconds of one layer's transfers (``comm_seconds``, forward + backward) left exposed: the share
+        overlap does not hide, less, phase by phase, the work each flies behind."""
+        seconds = (1.0 - self.overlap) * comm_seconds
+        if not self.windows:
+            return seconds
+        return sum(max(0.0, share * seconds - window) for share, window in self.windows)
+
     def critical_path(self, max_cost: float, comm_seconds: float) -> float:
         """Seconds of one layer's core attention on the critical path: the slowest server's compute plus
         the exposed transfer time."""
-        return max_cost * self.seconds_per_cost_unit + (1.0 - self.overlap) * comm_seconds
+        return max_cost * self.seconds_per_cost_unit + self.exposed(comm_seconds)
 
 
 def seconds_per_cost_unit(cost_model: Any, flops_per_pair: float | None, attention_tflops: float) -> float:
@@ -142,6 +162,51 @@ def link_model_from_config(config: Any, cost_model: Any, flops_per_pair: float |
         overlap=config.comm_overlap,
         seconds_per_cost_unit=seconds_per_cost_unit(cost_model, flops_per_pair, config.attention_tflops),
     )
+
+
+def hiding_window(
+    link: LinkModel,
+    config: Any,
+    tokens_per_rank: float,
+    mean_cost: float,
+    q_row_bytes: int,
+    kv_row_bytes: int,
+) -> LinkModel:
+    """``link`` with the work each all-to-all phase flies behind under layer-level ping-pong
+    (``config.layer_seconds_per_token``; ``link`` unchanged when None). In the engine's order
+    (:func:`hf_distca.planning.schedule.layer_ping_pong`) one phase of each pass flies behind the other
+    nano-batch's layer work of that pass and the other behind its kernel: a dispatch and a return per pass,
+    which one behind which depending on the nano-batch's turn. Taken here the unfavourable way (the larger
+    phase behind the shorter work), with the other nano-batch's work equal to this one's (the split gives
+    them about equal estimated cost): layer work ``layer_seconds_per_token x tokens_per_rank``, a quarter
+    of it in forward (forward, recompute and backward at about 1 : 1 : 2 under checkpointing), kernels
+    ``mean_cost`` (this nano-batch's core-attention cost per server, which moves do not change) in
+    seconds, 1 / FWD_BWD_FLOP_RATIO of it in forward. A phase's share of the transfer time: its bytes per
+    row moved as the ledger carries them (:data:`~hf_distca.planning.traffic.CARRIES`), query and KV rows
+    counted alike."""
+    per_token = getattr(config, "layer_seconds_per_token", None)
+    if per_token is None:
+        return link
+    layer = per_token * tokens_per_rank
+    kernel = mean_cost * link.seconds_per_cost_unit
+    work = {
+        "fwd": (LAYER_FORWARD_SHARE * layer, kernel / FWD_BWD_FLOP_RATIO),
+        "bwd": ((1.0 - LAYER_FORWARD_SHARE) * layer, kernel * (1.0 - 1.0 / FWD_BWD_FLOP_RATIO)),
+    }
+    row = np.array([q_row_bytes, kv_row_bytes], dtype=np.float64)
+    weight = {p: float(CARRIES[i].sum(axis=0) @ row) for i, p in enumerate(PHASES)}  # bytes per row moved
+    total = sum(weight.values())
+    windows = []
+    for pass_, (a, b) in work.items():
+        phases = sorted((p for p in PHASES if p.startswith(pass_)), key=lambda p: -weight[p])
+        for phase, window in zip(phases, sorted((a, b)), strict=True):  # the larger phase, the shorter work
+            windows.append((weight[phase] / total, float(window)))
+    return dataclasses.replace(link, windows=tuple(windows))
+
+
+LAYER_FORWARD_SHARE = 0.25
+"""Forward's share of a layer's work besides core attention under activation checkpointing (forward,
+recompute and backward at about 1 : 1 : 2 of the matmul FLOPs)."""
 
 
 def plan_critical_path(

@@ -7,7 +7,9 @@ is ever broadcast. This module decides which candidate plan wins; the greedy tha
 
 Without a link bandwidth (``DistCAConfig.link_gib_per_s`` None) the plan is the balance-only greedy's:
 every server within ``tolerance`` of the mean cost. With one, the step's critical path is the slowest
-server's compute plus the exposed time of the engine's all-to-alls, each as long as its slowest rank. The
+server's compute plus the exposed time of the engine's all-to-alls, each as long as its slowest rank (under
+layer-level ping-pong with ``DistCAConfig.layer_seconds_per_token``, less the window of the other
+nano-batch's work they fly behind: :func:`~hf_distca.planning.links.hiding_window`). The
 balance-only plan is kept when its transfer time is within ``tolerance`` of its critical path and it is no
 slower than no balancing (so free links, infinite bandwidth or ``comm_overlap`` 1, give exactly the
 balance-only plan). Otherwise priced greedies run: one balances to the mean, others fill destinations up to
@@ -25,7 +27,7 @@ from collections.abc import Sequence
 from hf_distca.config import DistCAConfig
 from hf_distca.planning.balancer import Balancer
 from hf_distca.planning.cost import CausalPairsCost
-from hf_distca.planning.links import LinkModel, link_model_from_config, plan_critical_path
+from hf_distca.planning.links import LinkModel, hiding_window, link_model_from_config, plan_critical_path
 from hf_distca.planning.pieces import DocIndex
 from hf_distca.planning.tasks import CATask, CorePlan
 from hf_distca.planning.traffic import forward_bytes, plan_traffic
@@ -101,6 +103,10 @@ def _plan(
     if link is None:
         balance_only.balance()
         return _finish(balance_only, before, None, None)
+    world = max(len(index.tokens_per_rank), 1)
+    link = hiding_window(
+        link, config, sum(index.tokens_per_rank) / world, sum(before[0]) / world, q_row_bytes, kv_row_bytes
+    )
 
     origin = Balancer(index, cost, config, link, q_row_bytes, kv_row_bytes)
     unbalanced = origin.path[0]  # the critical path with every rank computing its own pieces
