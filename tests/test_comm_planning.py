@@ -470,9 +470,9 @@ def test_planning_time_priced_1000_docs_64_servers():
     plan(config)  # warm-up
     times = []
     for _ in range(3):
-        t0 = time.perf_counter()
+        t0 = time.process_time()  # CPU seconds: other processes' load does not count
         priced = plan(config)
-        times.append(time.perf_counter() - t0)
+        times.append(time.process_time() - t0)
     limit, _ = TOL["plan_seconds"]
     assert statistics.median(times) < 4 * limit, times
     link = link_model_from_config(config, CausalPairsCost(), flops)

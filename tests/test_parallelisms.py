@@ -64,7 +64,7 @@ def test_zero3_recipe_matches_one_process(tmp_path):
                                            str(reference)]]], tmp_path)  # fmt: skip
     # ZeRO-3 gathers each layer's parameters again for the recompute of gradient checkpointing, while
     # DistCA keeps the layer's attention output (rematerialization-aware)
-    modes = {"serial": ["--no-ping-pong"], "ping_pong": ["--ping-pong"],
+    modes = {"serial": ["--no-ping-pong"],
              "ping_pong_checkpointing": ["--ping-pong", "--gradient-checkpointing"],
              "layer_ping_pong_checkpointing": ["--layer-ping-pong", "--gradient-checkpointing"]}  # fmt: skip
     launch(2, [
@@ -90,12 +90,14 @@ def test_zero3_recipe_matches_one_process(tmp_path):
             torch.testing.assert_close(
                 w, ref_weights[key], rtol=0, atol=TOL["train_weights"][1], msg=f"{name} {key}"
             )
-    # ping-pong ran: two server kernels per layer where the serial run has one (and the recompute of
-    # checkpointing runs none: the same count with checkpointing as without)
-    for serial, pp, pp_ckpt, layers in zip(*(runs[name][0] for name in modes), strict=True):
-        assert sum(pp["attn_fwd_kernels"]) > sum(serial["attn_fwd_kernels"]), (pp, serial)
-        assert pp_ckpt["attn_fwd_kernels"] == pp["attn_fwd_kernels"], (pp_ckpt, pp)
-        assert sum(pp_ckpt["attn_replays"]) > 0 == sum(pp["attn_replays"]), (pp_ckpt, pp)  # checkpointing ran
+    for serial, pp_ckpt, layers in zip(*(runs[name][0] for name in modes), strict=True):
+        # serial: at most one server kernel per engine call
+        assert all(k <= c for k, c in zip(serial["attn_fwd_kernels"], serial["engine_calls"])), serial
+        # ping-pong ran (two server kernels for calls that move rows) and the recompute of checkpointing
+        # ran none (at most two per call, every call replayed instead)
+        assert sum(pp_ckpt["attn_fwd_kernels"]) > sum(pp_ckpt["engine_calls"]), pp_ckpt
+        assert all(k <= 2 * c for k, c in zip(pp_ckpt["attn_fwd_kernels"], pp_ckpt["engine_calls"])), pp_ckpt
+        assert pp_ckpt["attn_replays"] == pp_ckpt["engine_calls"], pp_ckpt
         # layer-level: one kernel per nano-batch and layer, each replayed by the recompute
         assert sum(layers["attn_fwd_kernels"]) > sum(serial["attn_fwd_kernels"]), (layers, serial)
         assert layers["attn_replays"] == layers["engine_calls"], layers

@@ -629,9 +629,9 @@ def test_planning_time_1000_docs_64_servers():
     _plan(pieces, cfg, q_row=8192, kv_row=4096)  # warm-up (first call can include a full gc pass)
     times, plan = [], None
     for _ in range(5):
-        t0 = time.perf_counter()
+        t0 = time.process_time()  # CPU seconds: other processes' load does not count
         plan = _plan(pieces, cfg, q_row=8192, kv_row=4096)
-        times.append(time.perf_counter() - t0)
+        times.append(time.process_time() - t0)
     limit, _ = TOL["plan_seconds"]
     assert statistics.median(times) < limit, times
     assert plan.imbalance_before > 2.0 and plan.imbalance_after <= 1.1 * (1 + TOL["balance"][0])

@@ -20,7 +20,6 @@ from safetensors.torch import load_file
 from tolerances import TOL
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RECIPE = os.path.join(ROOT, "recipes", "finetune_long_docs.py")
 
 # fp32, same data, different reduction orders (DDP all-reduce, dk/dv summed over servers)
 LOSS_RTOL = TOL["train_loss"][0]
@@ -33,30 +32,30 @@ COMMON = [
 ]  # fmt: skip
 
 
-def run_recipe(world: int, out_dir: str, *extra: str) -> tuple[list[dict], dict[str, torch.Tensor]]:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-        RECIPE, "--tokens-per-rank", str(BUDGET // world), "--output-dir", out_dir, *COMMON, *extra,
-    ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, (
-        f"recipe failed on {world} process(es):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    )
+def recipe_argv(world: int, out_dir, *extra: str) -> list[str]:
+    """The recipe's arguments for ``world`` ranks sharing the global token budget ``BUDGET``."""
+    return ["--tokens-per-rank", str(BUDGET // world), "--output-dir", str(out_dir), *COMMON, *extra]
+
+
+def recipe_results(out_dir) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """A finished run's per-step records and final weights."""
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
-    weights = load_file(os.path.join(out_dir, "model", "model.safetensors"))
-    return records, weights
+    return records, load_file(os.path.join(out_dir, "model", "model.safetensors"))
 
 
 @pytest.mark.slow
 def test_recipe_exact_across_world_sizes(tmp_path):
     # 4 ranks also recompute activations in backward (gradient checkpointing; rematerialization-aware by
     # default, so core attention is not run again), and the result must not change
-    runs = {
-        w: run_recipe(w, str(tmp_path / f"w{w}"), *(["--gradient-checkpointing"] if w == 4 else []))
-        for w in (1, 2, 4)
-    }
+    # one launch per world size (the baseline without disaggregation rides with the 2-rank run)
+    extra = {1: [], 2: [], 4: ["--gradient-checkpointing"]}
+    for world, flags in extra.items():
+        argvs = [recipe_argv(world, tmp_path / f"w{world}", *flags)]
+        if world == 2:
+            argvs.append(recipe_argv(2, tmp_path / "local", "--attn", "local"))
+        launch(world, [["finetune_long_docs.py", argv] for argv in argvs], tmp_path)
+    runs = {w: recipe_results(tmp_path / f"w{w}") for w in extra}
     ref_records, ref_weights = runs[1]
     assert [r["step"] for r in ref_records] == [1, 2, 3]
     for world in (2, 4):
@@ -89,7 +88,7 @@ def test_recipe_exact_across_world_sizes(tmp_path):
     assert ref_records[-1]["loss"] < ref_records[0]["loss"]
     # the baseline without disaggregation reports the same attention load without balancing (every
     # rank's pieces with their full context), column by column; nothing moves, so "after" is "before"
-    local_records, _ = run_recipe(2, str(tmp_path / "local"), "--attn", "local")
+    local_records, _ = recipe_results(tmp_path / "local")
     for got, want in zip(local_records, runs[2][0], strict=True):
         assert got["attn_flops_before"] == want["attn_flops_before"]
         assert got["imbalance_before"] == want["imbalance_before"] > 1.0
