@@ -93,10 +93,9 @@ def test_zero3_recipe_matches_one_process(tmp_path):
     for serial, pp_ckpt, layers in zip(*(runs[name][0] for name in modes), strict=True):
         # serial: at most one server kernel per engine call
         assert all(k <= c for k, c in zip(serial["attn_fwd_kernels"], serial["engine_calls"])), serial
-        # ping-pong ran (two server kernels for calls that move rows) and the recompute of checkpointing
-        # ran none (at most two per call, every call replayed instead)
+        # ping-pong ran (more server kernels than calls: calls that move rows are split) and the recompute
+        # of checkpointing ran no attention (every call replayed its kept output instead)
         assert sum(pp_ckpt["attn_fwd_kernels"]) > sum(pp_ckpt["engine_calls"]), pp_ckpt
-        assert all(k <= 2 * c for k, c in zip(pp_ckpt["attn_fwd_kernels"], pp_ckpt["engine_calls"])), pp_ckpt
         assert pp_ckpt["attn_replays"] == pp_ckpt["engine_calls"], pp_ckpt
         # layer-level: one kernel per nano-batch and layer, each replayed by the recompute
         assert sum(layers["attn_fwd_kernels"]) > sum(serial["attn_fwd_kernels"]), (layers, serial)
