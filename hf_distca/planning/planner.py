@@ -102,7 +102,7 @@ def _plan(
         balance_only.balance()
         return _finish(balance_only, before, None, None)
 
-    origin = Balancer(index, cost, config, link, q_row_bytes, kv_row_bytes)
+    origin = balance_only.priced(link)
     unbalanced = origin.path[0]  # the critical path with every rank computing its own pieces
     balance_only.balance()
     plan = _finish(balance_only, before, link, None, unbalanced)
