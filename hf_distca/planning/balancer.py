@@ -261,36 +261,45 @@ class Balancer:
         per = self.link.ranks_per_node if self.link is not None else None
         return rank // per if per else 0
 
-    def link_class(self, a: int, b: int) -> int:
-        return link_classes(a, b, self.link.ranks_per_node) if self.link is not None else INTER
-
-    def _add(
-        self, changes: Changes, holder: int, server: int, col_out: int, col_in: int, nbytes: float
+    def _add_segments(
+        self,
+        changes: Changes,
+        segments: list[tuple[int, int]],
+        server: int,
+        col_out: int,
+        col_in: int,
+        row_bytes: int,
     ) -> None:
-        c = self.link_class(holder, server)
-        for r, col in ((holder, col_out), (server, col_in)):
-            row = changes.get(r)
+        """Add to ``changes`` the bytes of ``server`` receiving ``row_bytes`` (negative: no longer receiving)
+        per row of ``segments`` (holder, rows) from their holders, on the link class of each pair."""
+        per = self.link.ranks_per_node if self.link is not None else None
+        node = server // per if per is not None else None
+        for h, n in segments:
+            if h == server:
+                continue
+            c = INTER if per is None else (h // per != node) * 1  # link_classes(h, server, per)
+            nbytes = n * row_bytes
+            row = changes.get(h)
             if row is None:
-                row = changes[r] = [[0.0] * 4, [0.0] * 4]
-            row[c][col] += nbytes
+                row = changes[h] = [[0.0] * 4, [0.0] * 4]
+            row[c][col_out] += nbytes
+            row = changes.get(server)
+            if row is None:
+                row = changes[server] = [[0.0] * 4, [0.0] * 4]
+            row[c][col_in] += nbytes
 
     def changes_of(self, src: _Server, dst: _Server, doc: int, x: int, y: int) -> Changes:
-        """Byte deltas of moving queries [x, y) of ``doc`` from ``src`` to ``dst``."""
+        """Byte deltas of moving queries [x, y) of ``doc`` from ``src`` to ``dst`` (integers: exact in any
+        order of addition)."""
         changes: Changes = {}
-        segments = self.segments
-        for h, n in segments(doc, x, y):
-            if h != src.rank:
-                self._add(changes, h, src.rank, Q_OUT, Q_IN, -n * self.q_row)
-            if h != dst.rank:
-                self._add(changes, h, dst.rank, Q_OUT, Q_IN, n * self.q_row)
+        segments, add = self.segments, self._add_segments
+        moved = segments(doc, x, y)
+        add(changes, moved, src.rank, Q_OUT, Q_IN, -self.q_row)
+        add(changes, moved, dst.rank, Q_OUT, Q_IN, self.q_row)
         for lo, hi in self.kv_added(dst, doc, x, y):
-            for h, n in segments(doc, lo, hi):
-                if h != dst.rank:
-                    self._add(changes, h, dst.rank, KV_OUT, KV_IN, n * self.kv_row)
+            add(changes, segments(doc, lo, hi), dst.rank, KV_OUT, KV_IN, self.kv_row)
         for lo, hi in self.kv_freed(src, doc, x, y):
-            for h, n in segments(doc, lo, hi):
-                if h != src.rank:
-                    self._add(changes, h, src.rank, KV_OUT, KV_IN, -n * self.kv_row)
+            add(changes, segments(doc, lo, hi), src.rank, KV_OUT, KV_IN, -self.kv_row)
         return changes
 
     def kv_added(self, dst: _Server, doc: int, x: int, y: int) -> Ranges:
