@@ -17,6 +17,12 @@ and the table gives the planning time as a percentage of that simulated step (me
 the largest). Each rank plans each micro-batch once, on the CPU, for all layers, so this percentage is
 the planner's share of a step when planning is not overlapped with the previous step's GPU work.
 
+The planner balances the cost model of ``--cost-table`` (the DistCAConfig flag): a path plans with that
+measured kernel table (e.g. the shipped hf_distca/cost_tables/h200_bf16_32x8x128_torch_varlen.json, what
+the default ``"auto"`` resolves to on an H200); ``"auto"`` itself is causal pairs here (no engine, no GPU).
+``--cpu-time`` times planning in this process's CPU seconds instead of wall-clock seconds (a shared
+machine).
+
 Rows: per server count, one per ``--tokens-per-rank`` budget, then one per ``--docs-per-batch N``: a
 budget per rank whose batches hold about N documents (N x mean document length / servers, rounded up to
 a multiple of ``shard_tokens``).
@@ -32,7 +38,7 @@ Example (the DistCA sample files are described in the shared data README):
 
     python benchmarks/bench_planner.py --doclens PATH/doclens_pretrain.json --world 2 8 64 128 512 \
         --tokens-per-rank 65536 --docs-per-batch 1000 3000 10000 --batches 5 \
-        [--link-gib-per-s 23.3 --ranks-per-node 8 --intra-node-gib-per-s 260]
+        [--link-gib-per-s 23.3 --ranks-per-node 8 --intra-node-gib-per-s 260] [--cost-table TABLE.json]
 """
 
 from __future__ import annotations
@@ -129,6 +135,11 @@ def main(argv: list[str] | None = None) -> None:
         default=23.3,
         help="GiB/s per GPU between nodes in the simulated step when --link-gib-per-s is not given",
     )
+    p.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time planning in CPU seconds of this process instead of wall-clock seconds (a shared machine)",
+    )
     add_config_arguments(p)
     args = p.parse_args(argv)
 
@@ -142,7 +153,8 @@ def main(argv: list[str] | None = None) -> None:
     kv_row = 2 * args.kv_heads * args.head_dim * args.elem_bytes
     config = config_from_args(args)
     flops = attention_flops_per_pair(args.heads, args.head_dim)
-    link = link_model_from_config(config, cost_model_from_config(config), flops)
+    cost = cost_model_from_config(config)  # "auto" (the default) is causal pairs here: no engine, no GPU
+    link = link_model_from_config(config, cost, flops)
     balance_only = DistCAConfig(**{**config.__dict__, "link_gib_per_s": None})
     model = simulate.ModelShape(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                                 bytes_per_element=args.elem_bytes)  # fmt: skip
@@ -152,10 +164,11 @@ def main(argv: list[str] | None = None) -> None:
 
     def plan(pieces, cfg=config):
         return plan_core_attention(
-            pieces, q_row_bytes=q_row, kv_row_bytes=kv_row, config=cfg, flops_per_pair=flops
+            pieces, q_row_bytes=q_row, kv_row_bytes=kv_row, config=cfg, cost_model=cost, flops_per_pair=flops
         )
 
     plan([[(0, 0, 1)]])  # warm-up
+    clock = time.process_time if args.cpu_time else time.perf_counter
 
     print(
         f"CPU: {cpu_name()}, Python {platform.python_version()}, numpy {np.__version__}\n\n"
@@ -163,7 +176,8 @@ def main(argv: list[str] | None = None) -> None:
         f"max {max(doclens)}); tolerance {config.tolerance}, shard_tokens {config.shard_tokens}; "
         f"bytes per row: Q {q_row}, KV {kv_row}; medians over {args.batches} batches (seed {args.seed}); "
         f"simulated step: {model.layers} layers, {links.gpus_per_node} GPUs per node, "
-        f"{links.inter_gibps:g} GiB/s between nodes"
+        f"{links.inter_gibps:g} GiB/s between nodes; planner cost model: {cost!r}"
+        + ("; plan ms: CPU time of this process" if args.cpu_time else "")
         + (
             f"; links: {config.link_gib_per_s} GiB/s, {config.intra_node_gib_per_s} GiB/s inside nodes of "
             f"{config.ranks_per_node} ranks, compute at {config.attention_tflops} TFLOP/s forward+backward"
@@ -193,9 +207,9 @@ def main(argv: list[str] | None = None) -> None:
             for num_docs, fill, pieces in global_batches(
                 doclens, world, per_rank, args.batches, args.seed, config.ranks_per_node
             ):
-                t0 = time.perf_counter()
+                t0 = clock()
                 planned = plan(pieces)
-                seconds = time.perf_counter() - t0
+                seconds = clock() - t0
                 priced = simulate.price_plan(planned, setting)
                 step = priced.step_s  # the serial schedule, nothing overlapped
                 cut = len({p.doc_id for rank in pieces for p in rank if p.doc_start > 0})

@@ -1,5 +1,6 @@
 """Plans pinned bit for bit: a fixed set of seeded batches (full causal and windowed, balance-only and
-communication-priced, with send and receive bounds, a measured cost table) planned and hashed. The
+communication-priced, with send and receive bounds, a measured cost table, a shipped H200 table) planned
+and hashed. The
 expected digests were computed on the planner before it was split into modules; a refactor that changes
 any plan (a task, a load, a byte count, a critical path) changes a digest."""
 
@@ -12,6 +13,7 @@ import numpy as np
 from oracle import long_tailed_lengths, pack_sequential, scatter
 
 from hf_distca import DistCAConfig, plan_core_attention
+from hf_distca.cost_tables import shipped_table_data
 from hf_distca.data.rebatch import layout_balanced
 from hf_distca.planning import MeasuredCost, attention_flops_per_pair, causal_pairs
 
@@ -62,6 +64,19 @@ def _measured() -> MeasuredCost:
     return MeasuredCost(lens, lens, table)
 
 
+SHIPPED = "h200_bf16_32x8x128_torch_varlen.json"
+SHIPPED_CONFIGS = [
+    ("shipped", dict(tolerance=0.05, shard_tokens=128), {}),
+    ("shipped-window", dict(shard_tokens=128), {"window": 4096}),
+    (
+        "shipped-priced",
+        dict(shard_tokens=128, link_gib_per_s=23.3, ranks_per_node=8, intra_node_gib_per_s=260),
+        {},
+    ),
+]
+"""A shipped H200 table on the realistic layout, with Llama-3-8B-sized rows (Q 8192, KV 4096 bytes)."""
+
+
 def _plan_digest(plan) -> str:
     h = hashlib.sha256(plan.digest().encode())
     for value in (plan.load_after, plan.pairs_after, plan.bytes_sent, plan.bytes_received, plan.moves,
@@ -84,6 +99,18 @@ def digests() -> dict[str, str]:
             pieces, q_row_bytes=Q_ROW, kv_row_bytes=KV_ROW, config=config, cost_model=_measured()
         )
         out[f"{lname}/measured"] = _plan_digest(plan)
+    shipped = MeasuredCost.from_dict(shipped_table_data(SHIPPED), SHIPPED)
+    pieces = dict(_layouts())["balanced64"]
+    for cname, fields, extra in SHIPPED_CONFIGS:
+        plan = plan_core_attention(
+            pieces,
+            q_row_bytes=8192,
+            kv_row_bytes=4096,
+            config=DistCAConfig(**fields),
+            cost_model=shipped,
+            **extra,
+        )
+        out[f"balanced64/{cname}"] = _plan_digest(plan)
     return out
 
 
@@ -151,6 +178,9 @@ EXPECTED: dict[str, str] = {
     "balanced64/priced-fast": "5b2596ccacc555e0",
     "balanced64/bounds": "860a8eeb45f3ef8b",
     "balanced64/measured": "272e86693132e91a",
+    "balanced64/shipped": "3dc4de611b84dad8",
+    "balanced64/shipped-window": "f43cb86315ed9d7d",
+    "balanced64/shipped-priced": "f0463a0d8ae1c323",
 }
 
 

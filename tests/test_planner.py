@@ -29,6 +29,7 @@ from hf_distca.planning import (
     cost_model_from_config,
 )
 from hf_distca.planning.cost import write_cost_table
+from hf_distca.planning.window import attended_pairs
 
 Q_ROW, KV_ROW = 64, 48  # bytes per token of Q (= output) and of K plus V, as the engine would pass them
 
@@ -533,6 +534,47 @@ def test_measured_cost_monotone_near_diagonal():
     grid = [128, 256, 512, 1024]
     cost = MeasuredCost(grid, grid, _pairs_table(grid, grid))  # infeasible (q > kv) entries are 0
     assert cost.task_cost(0, 700) >= cost.task_cost(100, 700)
+
+
+def _interp_reference(cost: MeasuredCost, a: int, b: int) -> float:
+    """MeasuredCost's definition with NumPy: every row interpolated along kv_len, then along q_len."""
+    q_len, kv_len = b - a, b - (0 if cost.window is None else max(0, a - cost.window + 1))
+    if q_len <= 0:
+        return 0.0
+    qc = float(np.clip(q_len, cost.q_lens[0], cost.q_lens[-1]))
+    kc = float(np.clip(kv_len, cost.kv_lens[0], cost.kv_lens[-1]))
+    per_q = np.array([np.interp(kc, cost.kv_lens, row) for row in cost.rate])  # (Q,)
+    rate = float(np.interp(qc, cost.q_lens, per_q))
+    kv0 = kv_len - q_len
+    pairs = (
+        (kv_len * (kv_len + 1) - kv0 * (kv0 + 1)) / 2
+        if cost.window is None
+        else attended_pairs(a, b, cost.window)
+    )
+    return pairs / rate
+
+
+def test_measured_cost_is_numpy_bilinear_interpolation_bit_for_bit():
+    """task_cost's scalar interpolation and its caches give exactly np.interp's values (plans depend on
+    every bit): shipped tables and a synthetic one, on and off the grid, beyond it, with windows."""
+    from hf_distca.cost_tables import shipped_table_data, shipped_table_names
+
+    tables = [MeasuredCost.from_dict(shipped_table_data(n), n) for n in shipped_table_names()]
+    lens = [16, 64, 256, 1024, 4096, 16384]
+    tables.append(
+        MeasuredCost(lens, lens, [[1e-9 * causal_pairs(max(k - q, 0), k) + 2e-6 for k in lens] for q in lens])
+    )
+    rng = random.Random(5)
+    for table in tables:
+        grid = sorted({int(x) for x in [*table.q_lens, *table.kv_lens]})
+        for window in (None, 64, 4096):
+            cost = table.with_window(window)
+            shapes = [(k - q, k) for q in grid for k in grid if q <= k]  # grid points
+            for _ in range(3000):
+                b = rng.choice([rng.randint(1, 300), rng.randint(1, 70000), rng.randint(1, 400000)])
+                shapes.append((rng.choice([0, rng.randint(0, b), b - min(b, 128), b // 128 * 128]), b))
+            for a, b in shapes + shapes[:500]:  # asked again: from the cache
+                assert cost.task_cost(a, b) == _interp_reference(cost, a, b), (a, b, window)
 
 
 def test_planner_with_measured_cost():

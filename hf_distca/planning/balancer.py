@@ -225,6 +225,22 @@ class Balancer:
         other.moves, other.comm, other.path = list(self.moves), list(self.comm), list(self.path)
         return other
 
+    def priced(self, link: LinkModel) -> Balancer:
+        """A balancer from this one's start that prices moves under ``link`` (as
+        ``Balancer(index, cost, config, link, ...)``, without computing the loads again); both share the
+        servers until a move changes one (copy on write, on both sides). Only before any move."""
+        if self.moves:
+            raise AssertionError("planner bug: priced() after moves")
+        other = self.clone()
+        if self._owned is None:  # this one edited its servers in place so far: now it copies them first
+            self._owned, self._owned_docs = set(), set()
+        other.link = link
+        other.traffic = PhaseTimes(link, len(self.servers))
+        other.traffic.apply(other._initial_traffic())
+        other.comm, other.path = [other.traffic.now], []
+        other.path.append(other.critical_path())
+        return other
+
     # ------------------------------------------------------------------------------------ bookkeeping
     def segments(self, doc: int, start: int, end: int) -> list[tuple[int, int]]:
         """(holder, rows) of doc positions [start, end), in position order."""
@@ -245,36 +261,45 @@ class Balancer:
         per = self.link.ranks_per_node if self.link is not None else None
         return rank // per if per else 0
 
-    def link_class(self, a: int, b: int) -> int:
-        return link_classes(a, b, self.link.ranks_per_node) if self.link is not None else INTER
-
-    def _add(
-        self, changes: Changes, holder: int, server: int, col_out: int, col_in: int, nbytes: float
+    def _add_segments(
+        self,
+        changes: Changes,
+        segments: list[tuple[int, int]],
+        server: int,
+        col_out: int,
+        col_in: int,
+        row_bytes: int,
     ) -> None:
-        c = self.link_class(holder, server)
-        for r, col in ((holder, col_out), (server, col_in)):
-            row = changes.get(r)
+        """Add to ``changes`` the bytes of ``server`` receiving ``row_bytes`` (negative: no longer receiving)
+        per row of ``segments`` (holder, rows) from their holders, on the link class of each pair."""
+        per = self.link.ranks_per_node if self.link is not None else None
+        node = server // per if per is not None else None
+        for h, n in segments:
+            if h == server:
+                continue
+            c = INTER if per is None else (h // per != node) * 1  # link_classes(h, server, per)
+            nbytes = n * row_bytes
+            row = changes.get(h)
             if row is None:
-                row = changes[r] = [[0.0] * 4, [0.0] * 4]
-            row[c][col] += nbytes
+                row = changes[h] = [[0.0] * 4, [0.0] * 4]
+            row[c][col_out] += nbytes
+            row = changes.get(server)
+            if row is None:
+                row = changes[server] = [[0.0] * 4, [0.0] * 4]
+            row[c][col_in] += nbytes
 
     def changes_of(self, src: _Server, dst: _Server, doc: int, x: int, y: int) -> Changes:
-        """Byte deltas of moving queries [x, y) of ``doc`` from ``src`` to ``dst``."""
+        """Byte deltas of moving queries [x, y) of ``doc`` from ``src`` to ``dst`` (integers: exact in any
+        order of addition)."""
         changes: Changes = {}
-        segments = self.segments
-        for h, n in segments(doc, x, y):
-            if h != src.rank:
-                self._add(changes, h, src.rank, Q_OUT, Q_IN, -n * self.q_row)
-            if h != dst.rank:
-                self._add(changes, h, dst.rank, Q_OUT, Q_IN, n * self.q_row)
+        segments, add = self.segments, self._add_segments
+        moved = segments(doc, x, y)
+        add(changes, moved, src.rank, Q_OUT, Q_IN, -self.q_row)
+        add(changes, moved, dst.rank, Q_OUT, Q_IN, self.q_row)
         for lo, hi in self.kv_added(dst, doc, x, y):
-            for h, n in segments(doc, lo, hi):
-                if h != dst.rank:
-                    self._add(changes, h, dst.rank, KV_OUT, KV_IN, n * self.kv_row)
+            add(changes, segments(doc, lo, hi), dst.rank, KV_OUT, KV_IN, self.kv_row)
         for lo, hi in self.kv_freed(src, doc, x, y):
-            for h, n in segments(doc, lo, hi):
-                if h != src.rank:
-                    self._add(changes, h, src.rank, KV_OUT, KV_IN, -n * self.kv_row)
+            add(changes, segments(doc, lo, hi), src.rank, KV_OUT, KV_IN, -self.kv_row)
         return changes
 
     def kv_added(self, dst: _Server, doc: int, x: int, y: int) -> Ranges:
@@ -451,16 +476,17 @@ class Balancer:
         want = min(src.load - target, target - dst.load)
         if want <= 0:
             return None, False
-        g, cost = self.config.shard_tokens, self.cost
+        g, task_cost = self.config.shard_tokens, self.cost.task_cost
+        src_load, dst_load = src.load, dst.load
         fitting, overshooting = (
             [],
             [],
         )  # (cost, doc, x, y): at most `want`, or larger but lowering max(src, dst)
         for doc, ivs in src.intervals.items():
             for a, b in ivs:
-                for x, y in _candidate_ranges(a, b, want, g, cost):
-                    c = cost.task_cost(x, y)
-                    if c > 0 and dst.load + c < src.load:
+                for x, y in _candidate_ranges(a, b, want, g, task_cost):
+                    c = task_cost(x, y)
+                    if c > 0 and dst_load + c < src_load:
                         (fitting if c <= want else overshooting).append((c, doc, x, y))
         rejected = False
         # (doc, end) of shards turned down for their price: a shorter shard with the same end reads the
@@ -500,8 +526,8 @@ class Balancer:
             larger = []
             for doc, ivs in src.intervals.items():
                 for a, b in ivs:
-                    for x, y in _candidate_ranges(a, b, half, g, cost):
-                        move, _ = self._candidate(src, dst, doc, x, y, cost.task_cost(x, y))
+                    for x, y in _candidate_ranges(a, b, half, g, task_cost):
+                        move, _ = self._candidate(src, dst, doc, x, y, task_cost(x, y))
                         if move is not None:
                             larger.append(move)
             if larger:
@@ -575,34 +601,36 @@ class Balancer:
         return self.link.exposed(now + added) - self.link.exposed(now)
 
 
-def _candidate_ranges(a: int, b: int, want: float, g: int, cost) -> list[tuple[int, int]]:
-    """Sub-ranges of task [a, b) worth moving: whole, the largest tail and head shards costing at most
-    ``want``, and the smallest tail/head shards (for when every fitting shard is empty)."""
-    out = [(a, b)]
+def _candidate_ranges(a: int, b: int, want: float, g: int, task_cost) -> list[tuple[int, int]]:
+    """Sub-ranges of task [a, b) worth moving (``task_cost``: the cost model's): whole, the largest tail
+    and head shards costing at most ``want``, and the smallest tail/head shards (for when every fitting
+    shard is empty)."""
     first = (a // g + 1) * g  # first split point strictly inside (a, b)
     if first >= b:
-        return out
-    cuts = range(first, b, g)  # split points on multiples of g
+        return [(a, b)]
+    n = (b - 1 - first) // g + 1  # split points first + i g, i < n, on multiples of g
+    last = first + (n - 1) * g
+    out = [(a, b)]
     # tail [c, b): cost decreases as c grows; smallest c with cost <= want
-    lo, hi = 0, len(cuts)
+    lo, hi = 0, n
     while lo < hi:
         mid = (lo + hi) // 2
-        if cost.task_cost(cuts[mid], b) <= want:
+        if task_cost(first + mid * g, b) <= want:
             hi = mid
         else:
             lo = mid + 1
-    if lo < len(cuts):
-        out.append((cuts[lo], b))
-    out.append((cuts[-1], b))
+    if lo < n:
+        out.append((first + lo * g, b))
+    out.append((last, b))
     # head [a, c): cost grows with c; largest c with cost <= want
-    lo, hi = 0, len(cuts)
+    lo, hi = 0, n
     while lo < hi:
         mid = (lo + hi) // 2
-        if cost.task_cost(a, cuts[mid]) <= want:
+        if task_cost(a, first + mid * g) <= want:
             lo = mid + 1
         else:
             hi = mid
     if lo > 0:
-        out.append((a, cuts[lo - 1]))
-    out.append((a, cuts[0]))
+        out.append((a, first + (lo - 1) * g))
+    out.append((a, first))
     return list(dict.fromkeys(out))

@@ -11,6 +11,7 @@ from the table of ``DistCAConfig.cost_table`` (written by ``python -m hf_distca.
 
 from __future__ import annotations
 
+import bisect
 import copy
 import functools
 import hashlib
@@ -144,6 +145,14 @@ class MeasuredCost:
                 rate[:, j] = rate[:, j + 1]
         self.rate = rate
         self.seconds = table
+        # the grid as Python floats, and each row's slopes, for task_cost's scalar interpolation
+        self._q, self._kv = self.q_lens.tolist(), self.kv_lens.tolist()
+        self._rows = rate.tolist()
+        self._row_slopes = [_slopes(self._kv, row) for row in self._rows]
+        self._rates: dict[
+            tuple[int, int], float
+        ] = {}  # (q_len, kv_len) -> rate; shared by with_window copies
+        self._costs: dict[tuple[int, int], float] = {}  # (a, b) -> task_cost(a, b) under this window
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> MeasuredCost:
@@ -189,24 +198,80 @@ class MeasuredCost:
             return self
         other = copy.copy(self)
         other.window = window
+        other._costs = {}
         return other
 
     def task_cost(self, a: int, b: int) -> float:
+        """Seconds of queries [a, b) over their keys: the task's pairs over the interpolated rate of its
+        shape (q_len, kv_len). Kept per (a, b), and the rate per shape (the planner asks again and again)."""
+        cost = self._costs.get((a, b))
+        if cost is None:
+            cost = self._cost(a, b)
+            if len(self._costs) >= CACHE_SIZE:
+                self._costs.clear()
+            self._costs[(a, b)] = cost
+        return cost
+
+    def _cost(self, a: int, b: int) -> float:
         q_len, kv_len = b - a, b - kv_start(a, self.window)
         if q_len <= 0:
             return 0.0
-        qc = float(np.clip(q_len, self.q_lens[0], self.q_lens[-1]))
-        kc = float(np.clip(kv_len, self.kv_lens[0], self.kv_lens[-1]))
-        per_q = np.array([np.interp(kc, self.kv_lens, row) for row in self.rate])  # (Q,)
-        rate = float(np.interp(qc, self.q_lens, per_q))
+        rate = self._rates.get((q_len, kv_len))
+        if rate is None:
+            rate = self._rate(q_len, kv_len)
+            if len(self._rates) >= CACHE_SIZE:
+                self._rates.clear()
+            self._rates[(q_len, kv_len)] = rate
         pairs = _shape_pairs(q_len, kv_len) if self.window is None else attended_pairs(a, b, self.window)
         return pairs / rate
+
+    def _rate(self, q_len: int, kv_len: int) -> float:
+        """Pairs per second of shape (q_len, kv_len): the table's rate interpolated bilinearly (each row
+        along kv_len, then along q_len), clamped to the grid; the arithmetic of ``np.interp``, so equal
+        to interpolating every row with it, for one task in pure Python."""
+        q, kv = self._q, self._kv
+        qc = min(max(float(q_len), q[0]), q[-1])
+        kc = min(max(float(kv_len), kv[0]), kv[-1])
+        i = bisect.bisect_right(q, qc) - 1  # q[i] <= qc < q[i + 1], or i the last row
+        rows, slopes = self._rows, self._row_slopes
+        lo = _interp(kc, kv, rows[i], slopes[i])
+        if i == len(q) - 1 or q[i] == qc:
+            return lo
+        hi = _interp(kc, kv, rows[i + 1], slopes[i + 1])
+        return _between(qc, q[i], q[i + 1], lo, hi, (hi - lo) / (q[i + 1] - q[i]))
 
     def __repr__(self) -> str:
         window = "" if self.window is None else f", window={self.window}"
         return (
             f"MeasuredCost({len(self.q_lens)}x{len(self.kv_lens)} table, sha256={self.digest()[:16]}{window})"
         )
+
+
+CACHE_SIZE = 1 << 17
+"""Entries a :class:`MeasuredCost` keeps of task costs and of shape rates, each (cleared when full)."""
+
+
+def _slopes(xp: list[float], fp: list[float]) -> list[float]:
+    """Per grid interval, the slope ``np.interp`` uses: (fp[j + 1] - fp[j]) / (xp[j + 1] - xp[j])."""
+    return [(fp[j + 1] - fp[j]) / (xp[j + 1] - xp[j]) for j in range(len(xp) - 1)]
+
+
+def _interp(x: float, xp: list[float], fp: list[float], slopes: list[float]) -> float:
+    """``np.interp(x, xp, fp)`` for xp[0] <= x <= xp[-1], with its arithmetic (bit for bit)."""
+    j = bisect.bisect_right(xp, x) - 1  # xp[j] <= x < xp[j + 1], or j the last point
+    if j == len(xp) - 1 or xp[j] == x:
+        return fp[j]
+    return _between(x, xp[j], xp[j + 1], fp[j], fp[j + 1], slopes[j])
+
+
+def _between(x: float, x0: float, x1: float, y0: float, y1: float, slope: float) -> float:
+    """np.interp's value strictly inside [x0, x1): from the left point, else (NaN) from the right one."""
+    y = slope * (x - x0) + y0
+    if y != y:
+        y = slope * (x - x1) + y1
+        if y != y and y0 == y1:
+            y = y0
+    return y
 
 
 def _shape_pairs(q_len: float, kv_len: float) -> float:

@@ -108,7 +108,7 @@ def _plan(
         link, config, sum(index.tokens_per_rank) / world, sum(before[0]) / world, q_row_bytes, kv_row_bytes
     )
 
-    origin = Balancer(index, cost, config, link, q_row_bytes, kv_row_bytes)
+    origin = balance_only.priced(link)
     unbalanced = origin.path[0]  # the critical path with every rank computing its own pieces
     balance_only.balance()
     plan = _finish(balance_only, before, link, None, unbalanced)
