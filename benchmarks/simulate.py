@@ -778,6 +778,21 @@ class Row:
     """None for a single node (the inter-node bandwidth does not matter)."""
     results: dict[str, Result]
 
+    @property
+    def setting_cells(self) -> str:
+        """The row's cells under :data:`SETTING_COLUMNS` of a report table."""
+        return f"| {self.workload} | {self.tokens_per_rank} | {self.world} | {_fmt_bw(self.inter_gibps)} |"
+
+
+SETTING_COLUMNS = "| workload | tokens / rank | GPUs | inter-node GiB/s |"
+"""The first columns of the report's tables across settings (:attr:`Row.setting_cells`)."""
+SETTING_ALIGN = "|---|---:|---:|---:|"
+
+
+def _ran(rows: list[Row], systems: Sequence[str]) -> list[tuple[Row, str, Result]]:
+    """(row, system, result) of each of ``systems`` that ran in each row, row by row in ``systems``' order."""
+    return [(row, name, row.results[name]) for row in rows for name in systems if name in row.results]
+
 
 def run_grid(args, log=print) -> tuple[list[Row], dict]:
     model = dataclasses.replace(ModelShape(), layers=args.layers)
@@ -976,10 +991,10 @@ def write_report(rows: list[Row], info: dict, args, command: str) -> str:
         "kernels and padding (Result.left: step - synced, synced - mean busy, mean busy - ideal; they add up to "
         "the gap).",
         "",
-        "| workload | tokens / rank | GPUs | inter-node GiB/s | exact-unbalanced s | best baseline s | ideal s "
+        SETTING_COLUMNS + " exact-unbalanced s | best baseline s | ideal s "
         f"| {args.headline} s | share of ideal gain | over balanced | vs best baseline | left (s): comm / imbalance "
         "/ kernels |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        SETTING_ALIGN + "---:|---:|---:|---:|---:|---:|---:|---|",
     ]
 
     def share(r: dict[str, Result], name: str) -> str:
@@ -998,7 +1013,7 @@ def write_report(rows: list[Row], info: dict, args, command: str) -> str:
         gain = ideal_gain_share(r, head)
         left = "-" if gain is None or gain >= GOAL else " / ".join(f"{x:.2f}" for x in h.left())
         lines.append(
-            f"| {row.workload} | {row.tokens_per_rank} | {row.world} | {_fmt_bw(row.inter_gibps)} | {base:.2f} "
+            row.setting_cells + f" {base:.2f} "
             f"| {best.step_s:.2f} ({best.system}) | {ideal:.2f} | {h.step_s:.2f} | {_share(gain)} | {over} "
             f"| {best.step_s / h.step_s:.3f}x | {left} |"
         )
@@ -1013,8 +1028,8 @@ def write_report(rows: list[Row], info: dict, args, command: str) -> str:
         "attention-level ping-pong (nano-batches inside each attention call); *-layers: layer-level ping-pong "
         "(two nano-batches of documents through the layers as coroutines). Step seconds in brackets.",
         "",
-        "| workload | tokens / rank | GPUs | inter-node GiB/s | " + " | ".join(distca) + " | best |",
-        "|---|---:|---:|---:|" + "---:|" * len(distca) + "---|",
+        SETTING_COLUMNS + " " + " | ".join(distca) + " | best |",
+        SETTING_ALIGN + "---:|" * len(distca) + "---|",
     ]
     for row in rows:
         r = row.results
@@ -1023,11 +1038,7 @@ def write_report(rows: list[Row], info: dict, args, command: str) -> str:
             continue
         fastest = min(present, key=lambda k: r[k].step_s)
         cells = [f"{share(r, k)} ({r[k].step_s:.2f})" if k in r else "-" for k in distca]
-        lines.append(
-            f"| {row.workload} | {row.tokens_per_rank} | {row.world} | {_fmt_bw(row.inter_gibps)} | "
-            + " | ".join(cells)
-            + f" | {fastest} |"
-        )
+        lines.append(row.setting_cells + " " + " | ".join(cells) + f" | {fastest} |")
     lines += [
         "",
         "## Where the time goes: exposed communication per phase",
@@ -1036,23 +1047,19 @@ def write_report(rows: list[Row], info: dict, args, command: str) -> str:
         "and nano-batches; the wait for other ranks to reach a collective counts as imbalance, not here), "
         "then the three parts of the gap to the ideal (Result.left).",
         "",
-        "| workload | tokens / rank | GPUs | inter-node GiB/s | system | step s | comm s (all collectives) "
+        SETTING_COLUMNS + " system | step s | comm s (all collectives) "
         "| exposed: " + " | ".join(PHASES) + " | left: comm / imbalance / kernels s |",
-        "|---|---:|---:|---:|---|---:|---:|" + "---:|" * len(PHASES) + "---|",
+        SETTING_ALIGN + "---|---:|---:|" + "---:|" * len(PHASES) + "---|",
     ]
-    for row in rows:
-        for name in distca:
-            if name not in row.results:
-                continue
-            res = row.results[name]
-            lines.append(
-                f"| {row.workload} | {row.tokens_per_rank} | {row.world} | {_fmt_bw(row.inter_gibps)} | {name} "
-                f"| {res.step_s:.2f} | {res.comm_s:.2f} | "
-                + " | ".join(f"{res.exposed_by_phase.get(p, 0.0):.2f}" for p in PHASES)
-                + " | "
-                + " / ".join(f"{x:.2f}" for x in res.left())
-                + " |"
-            )
+    for row, name, res in _ran(rows, distca):
+        lines.append(
+            row.setting_cells
+            + f" {name} | {res.step_s:.2f} | {res.comm_s:.2f} | "
+            + " | ".join(f"{res.exposed_by_phase.get(p, 0.0):.2f}" for p in PHASES)
+            + " | "
+            + " / ".join(f"{x:.2f}" for x in res.left())
+            + " |"
+        )
     lines += [
         "",
         "## Planning time against the step",
@@ -1064,17 +1071,14 @@ def write_report(rows: list[Row], info: dict, args, command: str) -> str:
         "while step N trains. benchmarks/results/planner_cpu.md times the planner "
         "alone (213-333 ms per micro-batch of 65,536 tokens per rank at 512 servers).",
         "",
-        "| workload | tokens / rank | GPUs | inter-node GiB/s | system | plan s | step s | plan / step |",
-        "|---|---:|---:|---:|---|---:|---:|---:|",
+        SETTING_COLUMNS + " system | plan s | step s | plan / step |",
+        SETTING_ALIGN + "---|---:|---:|---:|",
     ]
-    for row in rows:
-        for name in distca:
-            if name in row.results and row.world == max(args.gpus):
-                res = row.results[name]
-                lines.append(
-                    f"| {row.workload} | {row.tokens_per_rank} | {row.world} | {_fmt_bw(row.inter_gibps)} | {name} "
-                    f"| {res.plan_s:.2f} | {res.step_s:.2f} | {res.plan_s / res.step_s:.1%} |"
-                )
+    for row, name, res in _ran([row for row in rows if row.world == max(args.gpus)], distca):
+        lines.append(
+            row.setting_cells
+            + f" {name} | {res.plan_s:.2f} | {res.step_s:.2f} | {res.plan_s / res.step_s:.1%} |"
+        )
     lines += [
         "",
         "## Communication: the balance-only planner (distca) against the communication-aware one (distca-comm)",
@@ -1083,20 +1087,16 @@ def write_report(rows: list[Row], info: dict, args, command: str) -> str:
         "share of all bytes that cross nodes, and the KV fan-out: the most servers that read one document's KV "
         "prefix from the same holder (each one more copy it sends per layer).",
         "",
-        "| workload | tokens / rank | GPUs | inter-node GiB/s | system | step s | exposed comm s | GiB sent (max rank) "
+        SETTING_COLUMNS + " system | step s | exposed comm s | GiB sent (max rank) "
         "| max / mean rank | across nodes | KV fan-out |",
-        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+        SETTING_ALIGN + "---|---:|---:|---:|---:|---:|---:|",
     ]
-    for row in rows:
-        for name in ("exact-unbalanced", "distca", "distca-comm"):
-            if name not in row.results:
-                continue
-            res = row.results[name]
-            lines.append(
-                f"| {row.workload} | {row.tokens_per_rank} | {row.world} | {_fmt_bw(row.inter_gibps)} | {name} "
-                f"| {res.step_s:.2f} | {res.exposed_comm_s:.2f} | {res.sent_gib_max:.1f} | {res.sent_max_over_mean:.1f} "
-                f"| {res.inter_node_share:.0%} | {res.kv_fanout} |"
-            )
+    for row, name, res in _ran(rows, ("exact-unbalanced", "distca", "distca-comm")):
+        lines.append(
+            row.setting_cells
+            + f" {name} | {res.step_s:.2f} | {res.exposed_comm_s:.2f} | {res.sent_gib_max:.1f} "
+            f"| {res.sent_max_over_mean:.1f} | {res.inter_node_share:.0%} | {res.kv_fanout} |"
+        )
     groups: dict[tuple[str, int], list[Row]] = {}
     for row in rows:
         groups.setdefault((row.workload, row.tokens_per_rank), []).append(row)

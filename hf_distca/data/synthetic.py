@@ -61,8 +61,6 @@ def generate_documents(
     shared next-token structure; ``seed``: lengths and sampling.
     """
     _check_lengths(num_docs, mean_length, max_length, min_length, length_sigma, "length")
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 2:
-        raise ValueError(f"vocab_size must be an int >= 2 (id 0 is reserved for padding), got {vocab_size!r}")
     rng = np.random.default_rng(seed)
     lengths = _lengths(rng, num_docs, mean_length, max_length, min_length, length_sigma)
     return _documents(rng, lengths, vocab_size, language_seed)
@@ -72,14 +70,15 @@ def documents_with_lengths(
     lengths: Sequence[int], *, vocab_size: int, seed: int, language_seed: int = 0
 ) -> list[list[int]]:
     """Token-id documents of exactly the given lengths (e.g. drawn from a measured length sample)."""
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 2:
-        raise ValueError(f"vocab_size must be an int >= 2 (id 0 is reserved for padding), got {vocab_size!r}")
     if any(int(n) < 1 for n in lengths):
         raise ValueError("document lengths must be >= 1")
     return _documents(np.random.default_rng(seed), lengths, vocab_size, language_seed)
 
 
 def _documents(rng: np.random.Generator, lengths, vocab_size: int, language_seed: int) -> list[list[int]]:
+    """Documents of the given lengths, token ids in [1, vocab_size) (checks vocab_size for every generator)."""
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 2:
+        raise ValueError(f"vocab_size must be an int >= 2 (id 0 is reserved for padding), got {vocab_size!r}")
     modulus = vocab_size - 1
     offsets = _offsets(modulus, language_seed)
     return [(_content(rng, int(n), offsets, modulus) + 1).tolist() for n in lengths]
