@@ -7,7 +7,10 @@ bash scripts/install.sh test || exit 1
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 python -m ruff check . || exit 1
 python -m ruff format --check . || exit 1
-python -m pytest -q -p no:cacheprovider --timeout=900 "$@"
+# two workers (pytest-xdist; PYTEST_WORKERS overrides): most tests run one process on one core, so a second
+# worker fills the other core; work stealing keeps the multi-process runs from queueing behind each other
+workers="${PYTEST_WORKERS:-$(( $(nproc) < 2 ? 1 : 2 ))}"
+python -m pytest -q -p no:cacheprovider --timeout=900 -n "$workers" --dist worksteal "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
     echo "pytest collected no tests: failing" >&2

@@ -17,6 +17,17 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def exact_run_args(max_steps: int, num_documents: int) -> list[str]:
+    """The recipe's arguments shared by the runs that must equal a one-process run: plain SGD (weights then
+    compare parameter by parameter), two accumulated micro-batches per step, generated documents of up to
+    1,500 words (longer than a rank's budget, so some are cut over the ranks), 64-token shards."""
+    return [
+        "--max-steps", str(max_steps), "--grad-accum", "2", "--optim", "sgd", "--learning-rate", "0.5",
+        "--num-documents", str(num_documents), "--mean-doc-words", "300", "--max-doc-words", "1500",
+        "--shard-tokens", "64", "--seed", "3",
+    ]  # fmt: skip
+
+
 def launch(world: int, runs: list, tmp_path) -> None:
     """One torchrun launch of ``world`` processes running ``runs`` ([recipe, argv] pairs) in turn; fails
     the calling test with the processes' output if the launch fails."""

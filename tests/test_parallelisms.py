@@ -22,17 +22,13 @@ import sys
 import pytest
 import torch
 from extras import require
-from run_recipes import launch
+from run_recipes import exact_run_args, launch
 from tolerances import TOL
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = os.path.join(ROOT, "recipes")
 BUDGET = 2048  # tokens per micro-batch over all ranks
-COMMON = [
-    "--max-steps", "2", "--grad-accum", "2", "--optim", "sgd", "--learning-rate", "0.5",
-    "--num-documents", "60", "--mean-doc-words", "300", "--max-doc-words", "1500",
-    "--shard-tokens", "64", "--seed", "3",
-]  # fmt: skip
+COMMON = exact_run_args(max_steps=2, num_documents=60)
 
 
 def _results(out) -> tuple[list[dict], dict[str, torch.Tensor], dict]:

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from run_recipes import launch
+from run_recipes import exact_run_args, launch
 from safetensors.torch import load_file
 from tolerances import TOL
 
@@ -25,11 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOSS_RTOL = TOL["train_loss"][0]
 WEIGHT_ATOL = TOL["train_weights"][1]
 BUDGET = 4096  # tokens per micro-batch over all ranks
-COMMON = [
-    "--max-steps", "3", "--grad-accum", "2", "--optim", "sgd", "--learning-rate", "0.5",
-    "--num-documents", "120", "--mean-doc-words", "300", "--max-doc-words", "1500",
-    "--shard-tokens", "64", "--seed", "3",
-]  # fmt: skip
+COMMON = exact_run_args(max_steps=3, num_documents=120)
 
 
 def recipe_argv(world: int, out_dir, *extra: str) -> list[str]:
