@@ -168,6 +168,7 @@ class DistCACallback(TrainerCallback):
             max_steps=max_steps,
             disaggregate=self.disaggregate,
             nano_batches=2 if self.config.layer_ping_pong else 1,
+            prefetch_plans=self.config.prefetch_plans,
             layout=self.layout
             or functools.partial(layout_balanced, ranks_per_node=self.config.ranks_per_node),
         )
