@@ -48,6 +48,7 @@ def _summary(plan) -> tuple:
 
 
 def test_prefetched_plans_are_the_inline_plans_and_are_used():
+    prefetch.start(wait=True)  # until the worker runs, the engine plans inline
     clear_plan_cache()
     metrics.reset()
     first, second = _layout(0), _layout(1)
@@ -85,6 +86,7 @@ def test_loader_prefetches_the_next_micro_batch():
     the engine's plan of micro-batch i+1 comes from there; without the flag, nothing is submitted."""
     docs = [[1] * n for n in (300, 500, 200, 700, 400, 600, 250, 350)]
     kwargs = dict(rank=RANK, world_size=WORLD, tokens_per_rank=256, grad_accum=2, seed=1)
+    prefetch.start(wait=True)
     for enabled in (False, True):
         clear_plan_cache()
         metrics.reset()

@@ -15,8 +15,8 @@ from torch.utils.data import DataLoader, IterableDataset
 from hf_distca.data.nano import NANO_BATCHES, nano_tokens_per_rank, split_documents
 from hf_distca.data.rebatch import LayoutFn, layout_balanced, layout_for_rank
 from hf_distca.data.sampler import plan_global_batches
+from hf_distca.engine import prefetch
 from hf_distca.engine.compiled import register_layout
-from hf_distca.engine.prefetch import prefetch_plans
 from hf_distca.planning.window import attended_pairs
 
 
@@ -175,6 +175,8 @@ class DistCABatches(IterableDataset):
     def __iter__(self) -> Iterator[dict]:
         budget = self.tokens_per_rank * self.world_size  # the sampler reports longer documents as truncated
         first = self.epoch * self.steps_per_epoch
+        if self.prefetch_plans and self.disaggregate:
+            prefetch.start()
         ahead = None  # (step, batch, all_pieces): built one micro-batch ahead, for prefetch_plans
         for index in range(first, first + self.steps_per_epoch):
             for doc_indices in self.step(index):
@@ -182,7 +184,7 @@ class DistCABatches(IterableDataset):
                 if ahead is not None:
                     if self.prefetch_plans:
                         for layout in _layouts_of(built[1]):
-                            prefetch_plans(layout.all_pieces)
+                            prefetch.prefetch_plans(layout.all_pieces)
                     yield self._yielded(*ahead)
                 ahead = built
         if ahead is not None:

@@ -18,6 +18,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,23 +76,27 @@ _lock = threading.Lock()
 _contexts: OrderedDict[tuple, PlanContext] = OrderedDict()
 _pending: OrderedDict[tuple, Future] = OrderedDict()
 _executor: ProcessPoolExecutor | None = None
+_started: Future = Future()
+"""Done once the worker process has started and imported the planner (never before a worker exists)."""
 
 
 def remember(context: PlanContext) -> None:
     """Record ``context`` as one the next micro-batches will be planned in (the engine, at each plan)."""
+    name = context.key(0)[1:]  # the key without the pieces' digest
     with _lock:
-        _contexts[context.key(0)[1:]] = context
-        _contexts.move_to_end(context.key(0)[1:])
+        _contexts[name] = context
+        _contexts.move_to_end(name)
         if len(_contexts) > _CONTEXTS:
             _contexts.popitem(last=False)
 
 
 def take(key: tuple) -> CorePlan | None:
     """The prefetched plan of ``key``, waiting for it if it is still being planned; None if none was
-    submitted or its planning failed (the caller then plans inline, raising any error there)."""
+    submitted, the worker has not started yet, or its planning failed (the caller then plans inline,
+    raising any error there)."""
     with _lock:
         future = _pending.pop(key, None)
-    if future is None:
+    if future is None or not _started.done():  # inline planning does not wait for the worker's start
         return None
     try:
         return future.result()
@@ -111,11 +116,27 @@ def prefetch_plans(all_pieces: Sequence[Sequence[Sequence[int]]]) -> int:
             key = context.key(digest)
             if context.world != len(normalized) or key in _pending:
                 continue
-            _pending[key] = _worker().submit(_plan, context, normalized)
+            try:
+                _pending[key] = _worker().submit(_plan, context, normalized)
+            except BrokenProcessPool:  # the worker died (its plans fall back to inline): a new one next time
+                _shutdown_locked()
+                break
             submitted += 1
             while len(_pending) > _PENDING:
                 _pending.popitem(last=False)[1].cancel()
     return submitted
+
+
+def start(wait: bool = False) -> None:
+    """Start the background worker now: it takes seconds to start (a fresh interpreter importing
+    hf_distca), best overlapped with the model's set-up. Until it has started, the engine plans inline
+    rather than wait for it; ``wait=True`` returns once it has started (then every plan submitted
+    from now on is taken from it)."""
+    with _lock:
+        _worker()
+        started = _started
+    if wait:
+        started.result()
 
 
 def forget() -> None:
@@ -131,18 +152,30 @@ def _plan(context: PlanContext, all_pieces: list[Pieces]) -> CorePlan:
     return context.plan(all_pieces)
 
 
+def _import() -> None:
+    """Nothing: the worker imports this module (and the planner) to run it, so that it is done once the
+    worker can plan."""
+
+
 def _worker() -> ProcessPoolExecutor:
     """The one background planning process (started at the first prefetch; called under ``_lock``)."""
-    global _executor
+    global _executor, _started
     if _executor is None:
         _executor = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
-        atexit.register(_shutdown)
+        _started = _executor.submit(_import)  # the process starts at the first submission
     return _executor
 
 
 def _shutdown() -> None:
-    global _executor
     with _lock:
-        executor, _executor = _executor, None
+        _shutdown_locked()
+
+
+def _shutdown_locked() -> None:
+    global _executor
+    executor, _executor = _executor, None
     if executor is not None:
         executor.shutdown(wait=False, cancel_futures=True)
+
+
+atexit.register(_shutdown)
