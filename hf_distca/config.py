@@ -145,7 +145,8 @@ class DistCAConfig:
     micro-batch's layouts to :func:`hf_distca.engine.prefetch.prefetch_plans`, which plans them in every
     context the engine planned in so far (head shape, window, cost model); the engine takes those plans
     (the same plans: planning is deterministic) instead of planning. Costs one extra process per rank
-    (started at the second micro-batch). Off: each micro-batch is planned at its first layer."""
+    (started with the trainer, or the loader's iteration). Off: each micro-batch is planned at its first
+    layer."""
 
     def plan_fields(self) -> tuple[tuple[str, object], ...]:
         """(name, value) of every field that can change the plan (all but ``RUN_ONLY_FIELDS``): what a
