@@ -27,6 +27,7 @@ from hf_distca.comm import all_gather_rows
 from hf_distca.config import DistCAConfig
 from hf_distca.data.loader import DistCABatches, DistCADataLoader, TokenDocuments
 from hf_distca.data.rebatch import LayoutFn, layout_balanced, layout_pieces
+from hf_distca.engine import prefetch
 from hf_distca.features import layer_windows
 from hf_distca.planning import forward_flops_per_pair, imbalance
 from hf_distca.validation import (
@@ -168,6 +169,7 @@ class DistCACallback(TrainerCallback):
             max_steps=max_steps,
             disaggregate=self.disaggregate,
             nano_batches=2 if self.config.layer_ping_pong else 1,
+            prefetch_plans=self.config.prefetch_plans,
             layout=self.layout
             or functools.partial(layout_balanced, ranks_per_node=self.config.ranks_per_node),
         )
@@ -177,6 +179,8 @@ class DistCACallback(TrainerCallback):
                 f"{args.gradient_accumulation_steps} accumulation; add documents or lower tokens_per_rank"
             )
         self.batches = batches
+        if self.disaggregate and self.config.prefetch_plans:
+            prefetch.start()  # its start overlaps the model's set-up; train() waits for it
 
     def train_dataloader(self) -> DistCADataLoader:
         """This rank's DistCA micro-batches, for ``Trainer.get_train_dataloader``."""
@@ -218,6 +222,8 @@ class DistCACallback(TrainerCallback):
         _check_same_documents(self.batches.documents.lengths)
         if self.disaggregate:
             enable_distca(model, group=self._group, config=self.config)
+            if self.config.prefetch_plans:
+                prefetch.start(wait=True)  # no plan of the run falls back to inline for want of the worker
         if not self.recompute_attention:
             switch_trainer_checkpointing(model, args)  # after the Trainer enabled checkpointing
         cfg = getattr(model, "config", None)

@@ -11,7 +11,14 @@ KERNEL_BACKENDS = ("auto", "cudnn", "torch_varlen", "flash_attn", "reference")
 # How ping-pong splits a micro-batch's core attention (see hf_distca.planning.nano).
 PING_PONG_SPLITS = ("local_first", "halves")
 # DistCAConfig fields that change how a plan is run or checked, never the plan itself.
-RUN_ONLY_FIELDS = ("backend", "check_consistency", "ping_pong", "ping_pong_split", "layer_ping_pong")
+RUN_ONLY_FIELDS = (
+    "backend",
+    "check_consistency",
+    "ping_pong",
+    "ping_pong_split",
+    "layer_ping_pong",
+    "prefetch_plans",
+)
 # DistCAConfig.cost_table's value for "the measured table of this device, dtype, head shape and kernel".
 COST_TABLE_AUTO = "auto"
 
@@ -131,6 +138,16 @@ class DistCAConfig:
     :func:`hf_distca.nano_batch_loss`; inside each nano-batch the exchanges run around the other's work,
     so ``ping_pong`` does not apply there. A micro-batch with a single document runs whole."""
 
+    prefetch_plans: bool = False
+    """Plan each micro-batch in a background process while the one before it computes, so that planning
+    leaves the training step's critical path (the planner is pure Python: seconds per step at hundreds of
+    servers with priced links). The data path of ``DistCACallback`` / ``DistCABatches`` hands each coming
+    micro-batch's layouts to :func:`hf_distca.engine.prefetch.prefetch_plans`, which plans them in every
+    context the engine planned in so far (head shape, window, cost model); the engine takes those plans
+    (the same plans: planning is deterministic) instead of planning. Costs one extra process per rank
+    (started with the trainer, or the loader's iteration). Off: each micro-batch is planned at its first
+    layer."""
+
     def plan_fields(self) -> tuple[tuple[str, object], ...]:
         """(name, value) of every field that can change the plan (all but ``RUN_ONLY_FIELDS``): what a
         cached plan is keyed by."""
@@ -208,6 +225,10 @@ class DistCAConfig:
         if not isinstance(self.layer_ping_pong, bool):
             raise ValueError(
                 f"DistCAConfig.layer_ping_pong must be True or False, got {self.layer_ping_pong!r}"
+            )
+        if not isinstance(self.prefetch_plans, bool):
+            raise ValueError(
+                f"DistCAConfig.prefetch_plans must be True or False, got {self.prefetch_plans!r}"
             )
         if self.ping_pong_split not in PING_PONG_SPLITS:
             raise ValueError(

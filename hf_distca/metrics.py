@@ -28,6 +28,8 @@ class EngineStats:
     """Recomputes that reused a saved attention output instead of running attention again."""
     plans: int = 0
     """Plans computed (cache misses)."""
+    plans_prefetched: int = 0
+    """Of ``plans``, those planned ahead in the background (:mod:`hf_distca.engine.prefetch`)."""
     checks: int = 0
     """Cross-rank consistency checks of the engine's inputs (one small all-gather each)."""
     flops_before: list[float] = field(default_factory=list)
@@ -37,6 +39,8 @@ class EngineStats:
     phase_bytes: dict[str, list[int]] = field(default_factory=dict)
     """Phase name -> [bytes sent, bytes received] (exchanges started without a phase name: not here)."""
     plan_seconds: float = 0.0
+    """Seconds the engine's thread spent on plans: planning, or waiting for a prefetched plan, and
+    building the dispatch index (the critical-path cost of planning)."""
 
     @property
     def imbalance_before(self) -> float:
@@ -77,9 +81,10 @@ def record_check() -> None:
         _stats.checks += 1
 
 
-def record_plan(seconds: float) -> None:
+def record_plan(seconds: float, prefetched: bool = False) -> None:
     with _lock:
         _stats.plans += 1
+        _stats.plans_prefetched += int(prefetched)
         _stats.plan_seconds += seconds
 
 
@@ -103,6 +108,7 @@ def snapshot(reset: bool = False) -> EngineStats:
             attn_fwd_kernels=_stats.attn_fwd_kernels,
             attn_replays=_stats.attn_replays,
             plans=_stats.plans,
+            plans_prefetched=_stats.plans_prefetched,
             checks=_stats.checks,
             flops_before=list(_stats.flops_before),
             flops_after=list(_stats.flops_after),

@@ -43,9 +43,10 @@ def recipe_results(out_dir) -> tuple[list[dict], dict[str, torch.Tensor]]:
 @pytest.mark.slow
 def test_recipe_exact_across_world_sizes(tmp_path):
     # 4 ranks also recompute activations in backward (gradient checkpointing; rematerialization-aware by
-    # default, so core attention is not run again), and the result must not change
+    # default, so core attention is not run again), and the result must not change; 2 ranks plan each
+    # micro-batch in the background (DistCAConfig.prefetch_plans), and the result must not change either
     # one launch per world size (the baseline without disaggregation rides with the 2-rank run)
-    extra = {1: [], 2: [], 4: ["--gradient-checkpointing"]}
+    extra = {1: [], 2: ["--prefetch-plans"], 4: ["--gradient-checkpointing"]}
     for world, flags in extra.items():
         argvs = [recipe_argv(world, tmp_path / f"w{world}", *flags)]
         if world == 2:
@@ -75,6 +76,14 @@ def test_recipe_exact_across_world_sizes(tmp_path):
         assert all(type(x) is int for r in records for k in ("bytes_sent", "engine_calls") for x in r[k])
         if world == 4:  # 2 layers x 2 micro-batches; the recompute reuses the attention outputs
             assert all(r["engine_calls"] == [4] * 4 and 0 < max(r["attn_fwd_kernels"]) <= 4 for r in records)
+        # with prefetch_plans, plans of the micro-batches loaded after the engine's first plan (which gives
+        # the context) come from the background, on every rank alike; without it none
+        prefetched = [r["plans_prefetched"] for r in records]
+        if world == 2:
+            assert prefetched[0] == [0, 0] and all(p[0] == p[1] > 0 for p in prefetched[1:]), prefetched
+            assert all(p <= n for r in records for p, n in zip(r["plans_prefetched"], r["plans"])), records
+        else:
+            assert prefetched == [[0] * world] * 3, prefetched
         assert weights.keys() == ref_weights.keys()
         for name, w in weights.items():
             torch.testing.assert_close(

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from hf_distca.data.nano import NANO_BATCHES, nano_tokens_per_rank, split_documents
 from hf_distca.data.rebatch import LayoutFn, layout_balanced, layout_for_rank
 from hf_distca.data.sampler import plan_global_batches
+from hf_distca.engine import prefetch
 from hf_distca.engine.compiled import register_layout
 from hf_distca.planning.window import attended_pairs
 
@@ -98,6 +99,7 @@ class DistCABatches(IterableDataset):
         disaggregate: bool = True,
         layout: LayoutFn | None = None,
         nano_batches: int = 1,
+        prefetch_plans: bool = False,
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
@@ -116,6 +118,9 @@ class DistCABatches(IterableDataset):
             raise ValueError(f"nano_batches must be a positive int, got {nano_batches!r}")
         self.nano_batches = nano_batches
         """Nano-batches per micro-batch for layer-level ping-pong (:mod:`hf_distca.data.nano`; 1: none)."""
+        self.prefetch_plans = prefetch_plans
+        """Hand each micro-batch's layouts to the engine's background planner when the micro-batch before
+        it is yielded (:func:`hf_distca.engine.prefetch.prefetch_plans`; ``DistCAConfig.prefetch_plans``)."""
         self.epoch = 0
         self.current_step: int | None = None
         """Stream index of the step whose micro-batch was yielded last (None before the first)."""
@@ -170,15 +175,28 @@ class DistCABatches(IterableDataset):
     def __iter__(self) -> Iterator[dict]:
         budget = self.tokens_per_rank * self.world_size  # the sampler reports longer documents as truncated
         first = self.epoch * self.steps_per_epoch
+        if self.prefetch_plans and self.disaggregate:
+            prefetch.start()
+        ahead = None  # (step, batch, all_pieces): built one micro-batch ahead, for prefetch_plans
         for index in range(first, first + self.steps_per_epoch):
             for doc_indices in self.step(index):
-                self.current_step = index
-                batch, all_pieces = self._micro_batch([self.documents[i][:budget] for i in doc_indices])
-                layouts = self._layouts.setdefault(index, [])
-                layouts.append(all_pieces)
-                for old in sorted(self._layouts)[:-2]:
-                    del self._layouts[old]
-                yield batch
+                built = (index, *self._micro_batch([self.documents[i][:budget] for i in doc_indices]))
+                if ahead is not None:
+                    if self.prefetch_plans:
+                        for layout in _layouts_of(built[1]):
+                            prefetch.prefetch_plans(layout.all_pieces)
+                    yield self._yielded(*ahead)
+                ahead = built
+        if ahead is not None:
+            yield self._yielded(*ahead)
+
+    def _yielded(self, index: int, batch: dict, all_pieces: list) -> dict:
+        """``batch`` of stream step ``index``, recorded as the micro-batch yielded last."""
+        self.current_step = index
+        self._layouts.setdefault(index, []).append(all_pieces)
+        for old in sorted(self._layouts)[:-2]:
+            del self._layouts[old]
+        return batch
 
     def layout_load(
         self, index: int, layout: LayoutFn | None = None, windows: Sequence[int | None] = (None,)
@@ -271,6 +289,13 @@ class DistCABatches(IterableDataset):
                 cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths)
             )
         return batch, mine.all_pieces
+
+
+def _layouts_of(batch: dict) -> list[DistCALayout]:
+    """The layouts the engine will plan for ``batch``: its own, or each nano-batch's (none without
+    disaggregation)."""
+    parts = batch.get(NANO_BATCHES, (batch,))
+    return [part["distca_layout"] for part in parts if "distca_layout" in part]
 
 
 class DistCADataLoader(DataLoader):

@@ -3,7 +3,8 @@
 Stages, each callable on its own (an overlap schedule can interleave them):
 
 - prepare (:mod:`.prepare`): plan + this rank's index tensors, cached per micro-batch, checked across
-  ranks (:mod:`.consistency`);
+  ranks (:mod:`.consistency`); with ``DistCAConfig.prefetch_plans`` the plan of the next micro-batch is
+  made ahead in a background process (:mod:`.prefetch`);
 - forward (:mod:`.stages`): dispatch (query rows and KV-prefix rows to their servers, one all-to-all-v),
   compute (one fused server kernel: output and log-sum-exp), return_outputs / gather_outputs;
 - backward: dispatch_backward (q, output, output gradient and KV rows re-sent), compute_backward (the

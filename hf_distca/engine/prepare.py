@@ -27,26 +27,25 @@ import torch
 from hf_distca import metrics
 from hf_distca.comm import all_gather_padded, all_gather_rows, collective_device, group_rank_world
 from hf_distca.config import DistCAConfig
+from hf_distca.engine import prefetch
 from hf_distca.engine.consistency import (
     LocalInputs,
     Pieces,
     check_vector,
     describe_inputs,
-    digest64,
     raise_on_disagreement,
 )
 from hf_distca.engine.cost_probe import auto_cost_table
 from hf_distca.engine.link_probe import with_measured_link
+from hf_distca.engine.prefetch import PlanContext, pieces_digest
 from hf_distca.kernels import VarlenLayout
 from hf_distca.planning import (
     CorePlan,
     DispatchIndex,
     MeasuredCost,
-    attention_flops_per_pair,
     build_dispatch_index,
     cost_model_from_config,
     forward_flops_per_pair,
-    plan_core_attention,
 )
 
 _PLAN_CACHE_SIZE = 8
@@ -168,11 +167,11 @@ def prepare(
         info = describe_inputs(q, k, v, pieces, all_pieces, 0, 1)
         info.raise_if_failed()
         everyone = info.all_pieces if info.all_pieces is not None else [info.pieces]
-        digest = digest64([digest64(p) for p in everyone])
+        digest = pieces_digest(everyone)
     elif all_pieces is None:
         info = describe_inputs(q, k, v, pieces, None, rank, world)
         everyone = _gather_pieces(info, config, group, q.device)
-        digest = digest64([digest64(p) for p in everyone])
+        digest = pieces_digest(everyone)
     else:
         key = (id(group), id(all_pieces))
         seen = _seen.get(key)
@@ -228,30 +227,30 @@ def _planned(
     auto_table: MeasuredCost | None = None,
 ) -> PreparedAttention:
     q_heads, head_dim, kv_heads = q.shape[1], q.shape[2], k.shape[1]
-    elem = q.element_size()
-    cost_model = cost_model_from_config(config, window, auto_table)
-    # the cost model's repr carries its table's hash: a table rewritten in place, or the one "auto" resolved
-    # to, is part of the key
-    key = (
-        digest, rank, len(all_pieces), q_heads, kv_heads, head_dim, elem,
-        config.plan_fields(), repr(cost_model), window,
-    )  # fmt: skip
+    context = PlanContext(
+        rank=rank,
+        world=len(all_pieces),
+        q_heads=q_heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        elem=q.element_size(),
+        config=config,
+        cost_model=cost_model_from_config(config, window, auto_table),
+        window=window,
+    )
+    key = context.key(digest)
     hit = _plan_cache.get(key)
     if hit is not None:
         _plan_cache.move_to_end(key)
         return hit
-    t0 = time.perf_counter()
-    plan = plan_core_attention(
-        all_pieces,
-        q_row_bytes=q_heads * head_dim * elem,
-        kv_row_bytes=2 * kv_heads * head_dim * elem,
-        config=config,
-        cost_model=cost_model,
-        flops_per_pair=attention_flops_per_pair(q_heads, head_dim),
-        window=window,
-    )
+    prefetch.remember(context)
+    t0 = time.perf_counter()  # what this thread spends: waiting for a prefetched plan, or planning
+    plan = prefetch.take(key)
+    prefetched = plan is not None
+    if plan is None:
+        plan = context.plan(all_pieces)
     index = build_dispatch_index(plan, rank)
-    metrics.record_plan(time.perf_counter() - t0)
+    metrics.record_plan(time.perf_counter() - t0, prefetched=prefetched)
     flops_per_pair = forward_flops_per_pair(q_heads, head_dim)
     prepared = PreparedAttention(
         plan=plan,
@@ -274,3 +273,4 @@ def clear_plan_cache() -> None:
     """Forget cached plans (the next call plans again). Rank-local and safe on any subset of ranks: which
     layouts were already checked across ranks is kept, so no rank runs a check the others skip."""
     _plan_cache.clear()
+    prefetch.forget()

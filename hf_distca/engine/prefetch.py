@@ -1,0 +1,181 @@
+"""Planning the next micro-batch in a background process, while this one computes.
+
+:func:`hf_distca.engine.prepare.prepare` plans through :class:`PlanContext` (everything a plan depends on
+besides the pieces) and remembers the contexts it planned with. :func:`prefetch_plans`, called by the data
+path with the next micro-batch's layout, submits that layout's plan for each remembered context to one
+worker process (a process: the greedy planner is pure Python and would hold this process's GIL), under the
+exact cache key the engine computes; the engine's next cache miss takes the plan from there instead of
+planning. A plan is a pure function of its inputs, so a prefetched plan is the plan the engine would make
+(tests check this). Rank-local: no collective runs here, and which plans were prefetched never changes
+which collectives run.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from typing import Any
+
+from hf_distca.config import DistCAConfig
+from hf_distca.engine.consistency import Pieces, digest64, normalize_pieces
+from hf_distca.planning import CorePlan, attention_flops_per_pair, plan_core_attention
+
+_CONTEXTS = 8  # contexts remembered (e.g. one per window of a model with local and global layers)
+_PENDING = 32  # prefetched plans kept until taken (a micro-batch's nano-batches x contexts, ahead)
+
+
+@dataclass(frozen=True)
+class PlanContext:
+    """What a plan depends on besides the pieces: one engine call's shapes, config and cost model."""
+
+    rank: int
+    world: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    elem: int
+    """Bytes per element of q, k and v."""
+    config: DistCAConfig
+    cost_model: Any
+    window: int | None
+
+    def key(self, digest: int) -> tuple:
+        """The plan cache key of the pieces of digest ``digest`` (:func:`pieces_digest`) in this context."""
+        # the cost model's repr carries its table's hash: a table rewritten in place, or the one "auto"
+        # resolved to, is part of the key
+        return (
+            digest, self.rank, self.world, self.q_heads, self.kv_heads, self.head_dim, self.elem,
+            self.config.plan_fields(), repr(self.cost_model), self.window,
+        )  # fmt: skip
+
+    def plan(self, all_pieces: list[Pieces]) -> CorePlan:
+        """The plan of ``all_pieces`` (every rank's normalized pieces) in this context."""
+        return plan_core_attention(
+            all_pieces,
+            q_row_bytes=self.q_heads * self.head_dim * self.elem,
+            kv_row_bytes=2 * self.kv_heads * self.head_dim * self.elem,
+            config=self.config,
+            cost_model=self.cost_model,
+            flops_per_pair=attention_flops_per_pair(self.q_heads, self.head_dim),
+            window=self.window,
+        )
+
+
+def pieces_digest(all_pieces: list[Pieces]) -> int:
+    """The digest the engine keys plans by: of every rank's normalized pieces' digests."""
+    return digest64([digest64(p) for p in all_pieces])
+
+
+_lock = threading.Lock()
+_contexts: OrderedDict[tuple, PlanContext] = OrderedDict()
+_pending: OrderedDict[tuple, Future] = OrderedDict()
+_executor: ProcessPoolExecutor | None = None
+_started: Future = Future()
+"""Done once the worker process has started and imported the planner (never before a worker exists)."""
+
+
+def remember(context: PlanContext) -> None:
+    """Record ``context`` as one the next micro-batches will be planned in (the engine, at each plan)."""
+    name = context.key(0)[1:]  # the key without the pieces' digest
+    with _lock:
+        _contexts[name] = context
+        _contexts.move_to_end(name)
+        if len(_contexts) > _CONTEXTS:
+            _contexts.popitem(last=False)
+
+
+def take(key: tuple) -> CorePlan | None:
+    """The prefetched plan of ``key``, waiting for it if it is still being planned; None if none was
+    submitted, the worker has not started yet, or its planning failed (the caller then plans inline,
+    raising any error there)."""
+    with _lock:
+        future = _pending.pop(key, None)
+    if future is None or not _started.done():  # inline planning does not wait for the worker's start
+        return None
+    try:
+        return future.result()
+    except Exception:  # e.g. the worker died: planning inline gives the plan, or the real error
+        return None
+
+
+def prefetch_plans(all_pieces: Sequence[Sequence[Sequence[int]]]) -> int:
+    """Submit the plans of ``all_pieces`` (every rank's pieces of one coming micro-batch or nano-batch)
+    in each context the engine planned in so far, to the background worker; returns how many were
+    submitted (0 before the engine's first plan, and for contexts of another group size)."""
+    normalized = [normalize_pieces(p, f"all_pieces[{r}]") for r, p in enumerate(all_pieces)]
+    digest = pieces_digest(normalized)
+    submitted = 0
+    with _lock:
+        for context in list(_contexts.values()):
+            key = context.key(digest)
+            if context.world != len(normalized) or key in _pending:
+                continue
+            try:
+                _pending[key] = _worker().submit(_plan, context, normalized)
+            except BrokenProcessPool:  # the worker died (its plans fall back to inline): a new one next time
+                _shutdown_locked()
+                break
+            submitted += 1
+            while len(_pending) > _PENDING:
+                _pending.popitem(last=False)[1].cancel()
+    return submitted
+
+
+def start(wait: bool = False) -> None:
+    """Start the background worker now: it takes seconds to start (a fresh interpreter importing
+    hf_distca), best overlapped with the model's set-up. Until it has started, the engine plans inline
+    rather than wait for it; ``wait=True`` returns once it has started (then every plan submitted
+    from now on is taken from it)."""
+    with _lock:
+        _worker()
+        started = _started
+    if wait:
+        started.result()
+
+
+def forget() -> None:
+    """Drop the remembered contexts and the plans not taken yet (the worker keeps running)."""
+    with _lock:
+        _contexts.clear()
+        for future in _pending.values():
+            future.cancel()
+        _pending.clear()
+
+
+def _plan(context: PlanContext, all_pieces: list[Pieces]) -> CorePlan:
+    return context.plan(all_pieces)
+
+
+def _import() -> None:
+    """Nothing: the worker imports this module (and the planner) to run it, so that it is done once the
+    worker can plan."""
+
+
+def _worker() -> ProcessPoolExecutor:
+    """The one background planning process (started at the first prefetch; called under ``_lock``)."""
+    global _executor, _started
+    if _executor is None:
+        _executor = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+        _started = _executor.submit(_import)  # the process starts at the first submission
+    return _executor
+
+
+def _shutdown() -> None:
+    with _lock:
+        _shutdown_locked()
+
+
+def _shutdown_locked() -> None:
+    global _executor
+    executor, _executor = _executor, None
+    if executor is not None:
+        executor.shutdown(wait=False, cancel_futures=True)
+
+
+atexit.register(_shutdown)
