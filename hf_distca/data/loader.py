@@ -175,16 +175,19 @@ class DistCABatches(IterableDataset):
     def __iter__(self) -> Iterator[dict]:
         budget = self.tokens_per_rank * self.world_size  # the sampler reports longer documents as truncated
         first = self.epoch * self.steps_per_epoch
-        if self.prefetch_plans and self.disaggregate:
+        look_ahead = self.prefetch_plans and self.disaggregate
+        if look_ahead:
             prefetch.start()
-        ahead = None  # (step, batch, all_pieces): built one micro-batch ahead, for prefetch_plans
+        ahead = None  # (step, batch, all_pieces): with look_ahead, built one micro-batch ahead
         for index in range(first, first + self.steps_per_epoch):
             for doc_indices in self.step(index):
                 built = (index, *self._micro_batch([self.documents[i][:budget] for i in doc_indices]))
+                if not look_ahead:
+                    yield self._yielded(*built)
+                    continue
                 if ahead is not None:
-                    if self.prefetch_plans:
-                        for layout in _layouts_of(built[1]):
-                            prefetch.prefetch_plans(layout.all_pieces)
+                    for layout in _layouts_of(built[1]):
+                        prefetch.prefetch_plans(layout.all_pieces)
                     yield self._yielded(*ahead)
                 ahead = built
         if ahead is not None:
