@@ -86,6 +86,15 @@ class CausalPairsCost:
         return "CausalPairsCost()" if self.window is None else f"CausalPairsCost(window={self.window})"
 
 
+def _kept(cache: dict, key: tuple, value: float) -> float:
+    """``value``, stored in ``cache`` under ``key``; a cache at ``CACHE_SIZE`` entries is emptied first, so
+    its memory stays bounded over a long run of different layouts."""
+    if len(cache) >= CACHE_SIZE:
+        cache.clear()
+    cache[key] = value
+    return value
+
+
 class MeasuredCost:
     """Cost from a measured (q_len, kv_len) -> seconds table.
 
@@ -206,10 +215,7 @@ class MeasuredCost:
         shape (q_len, kv_len). Kept per (a, b), and the rate per shape (the planner asks again and again)."""
         cost = self._costs.get((a, b))
         if cost is None:
-            cost = self._cost(a, b)
-            if len(self._costs) >= CACHE_SIZE:
-                self._costs.clear()
-            self._costs[(a, b)] = cost
+            cost = _kept(self._costs, (a, b), self._cost(a, b))
         return cost
 
     def _cost(self, a: int, b: int) -> float:
@@ -218,10 +224,7 @@ class MeasuredCost:
             return 0.0
         rate = self._rates.get((q_len, kv_len))
         if rate is None:
-            rate = self._rate(q_len, kv_len)
-            if len(self._rates) >= CACHE_SIZE:
-                self._rates.clear()
-            self._rates[(q_len, kv_len)] = rate
+            rate = _kept(self._rates, (q_len, kv_len), self._rate(q_len, kv_len))
         pairs = _shape_pairs(q_len, kv_len) if self.window is None else attended_pairs(a, b, self.window)
         return pairs / rate
 
