@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -43,12 +44,22 @@ def check_cases(cases: list[dict], results: list, checks: dict[str, Callable[[di
     return returned
 
 
-def _context():
-    """Processes forked from a server that imported torch, Transformers and hf_distca once (per test
-    process): each rank starts in well under a second instead of importing them again, and the server
-    forks before any thread or process group of the tests exists (unlike forking the test process)."""
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def preloaded_context():
+    """Processes forked from a server that imported torch, Transformers, hf_distca and the recipes once (per
+    test process): each rank starts in well under a second instead of importing them again, and the server
+    forks before any thread or process group of the tests exists (unlike forking the test process). The
+    server starts at the first process and keeps ``sys.path`` as it was then, so the recipes' folder is put
+    on it first."""
+    recipes = os.path.join(ROOT, "recipes")
+    if recipes not in sys.path:
+        sys.path.append(recipes)
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "transformers", "hf_distca", "distributed"])
+    ctx.set_forkserver_preload(
+        ["torch", "torch.distributed", "transformers", "hf_distca", "distributed", "finetune_long_docs"]
+    )
     return ctx
 
 
@@ -59,7 +70,7 @@ def run_distributed(fn, world: int, *args, timeout: float = 300.0) -> list:
     """
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        ctx = _context()
+        ctx = preloaded_context()
         procs = [
             ctx.Process(target=_worker, args=(r, world, init_file, tmp, fn, args), daemon=False)
             for r in range(world)

@@ -1,18 +1,22 @@
-"""Run several recipe ``main(argv)`` calls one after another in one launch, sharing the start-up cost.
+"""Run scripts' ``main(argv)`` on N CPU processes from a test, with torchrun's environment, without torchrun.
 
-    torchrun --nproc-per-node 2 tests/run_recipes.py RUNS.json
-
-RUNS.json: a list of ``[recipe file name in recipes/, [argv...]]``. Used by tests that compare recipes
-on the same data (each run writes its own ``--output-dir``), through :func:`launch`.
+Each rank is forked from the preloaded server of tests/distributed.py (torch, Transformers, hf_distca and
+the recipes imported once per test process), gets the variables torchrun gives a rank (RANK, LOCAL_RANK,
+WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), and calls each script's ``main(argv)`` in turn, so
+that Accelerate and the Trainer set up their gloo group as under torchrun. A launch then starts in about a
+second instead of an agent plus every rank importing the stack again (10-20 s each on 2 cores).
+test_training.py's demo test runs the README's own ``accelerate launch`` for real.
 """
 
 from __future__ import annotations
 
 import importlib
-import json
 import os
-import subprocess
+import socket
 import sys
+import time
+
+from distributed import preloaded_context
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,27 +32,86 @@ def exact_run_args(max_steps: int, num_documents: int) -> list[str]:
     ]  # fmt: skip
 
 
-def launch(world: int, runs: list, tmp_path) -> None:
-    """One torchrun launch of ``world`` processes running ``runs`` ([recipe, argv] pairs) in turn; fails
-    the calling test with the processes' output if the launch fails."""
-    spec = tmp_path / f"runs{world}.json"
-    spec.write_text(json.dumps(runs))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-        os.path.join(ROOT, "tests", "run_recipes.py"), str(spec),
-    ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{world} process(es):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+def _script_module(script: str):
+    """The module of ``script``: a file name in recipes/, or a path from the repository root."""
+    path = os.path.join(
+        ROOT, script if os.sep in script or "/" in script else os.path.join("recipes", script)
+    )
+    folder = os.path.dirname(path)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return importlib.import_module(os.path.splitext(os.path.basename(path))[0])
 
 
-if __name__ == "__main__":
-    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-    sys.path.insert(0, os.path.join(ROOT, "recipes"))
-    with open(sys.argv[1]) as f:
-        runs = json.load(f)
-    from finetune_long_docs import end_process_group
+def _rank_main(rank: int, world: int, port: int, runs: list, log_path: str, env: dict[str, str]) -> None:
+    """One rank: torchrun's variables, output to ``log_path``, then every run's ``main(argv)`` in turn."""
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.environ.update(env)
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false", HF_HUB_DISABLE_TELEMETRY="1",
+    )  # fmt: skip
+    import torch
 
-    for recipe, argv in runs:
-        importlib.import_module(os.path.splitext(recipe)[0]).main(argv)
-    end_process_group()
+    torch.set_num_threads(1)
+    for script, argv in runs:
+        code = _script_module(script).main(argv)
+        if type(code) is int and code != 0:  # a main that reports failure by its exit status
+            sys.exit(code)
+    from hf_distca.engine import prefetch
+
+    prefetch.stop()  # multiprocessing's children end without the exit handlers that would stop it
+    _script_module("finetune_long_docs.py").end_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(
+    world: int, runs: list, tmp_path, env: dict[str, str] | None = None, timeout: float = 600
+) -> list[str]:
+    """Run ``runs`` ([script, argv] pairs; script: a file name in recipes/ or a path from the repository
+    root, with a ``main(argv)``) in turn on ``world`` processes; return each rank's output. Fails the
+    calling test with every rank's output when a rank fails or the launch outlives ``timeout`` seconds
+    (the other ranks are stopped a few seconds after one fails, instead of waiting in a collective)."""
+    tag = f"launch{len(list(tmp_path.glob('launch*-rank0.log')))}"
+    logs = [str(tmp_path / f"{tag}-rank{r}.log") for r in range(world)]
+    ctx = preloaded_context()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world, port, runs, logs[r], dict(env or {})))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    failed_at = None
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() > failed_at + 10:
+            break
+        time.sleep(0.2)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join()
+    outputs = []
+    for path in logs:
+        with open(path, "a+", errors="replace") as f:  # a rank that died before writing has no log
+            f.seek(0)
+            outputs.append(f.read())
+    if any(p.exitcode != 0 for p in procs):
+        report = "\n".join(
+            f"--- rank {r} (exit code {p.exitcode}):\n{outputs[r][-6000:]}" for r, p in enumerate(procs)
+        )
+        raise AssertionError(f"{world} process(es) running {[run[0] for run in runs]} failed:\n{report}")
+    return outputs

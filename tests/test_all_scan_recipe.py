@@ -1,20 +1,14 @@
-"""recipes/hybrid_linear_loop.py under torchrun: MiniMax (lightning + softmax attention) and Qwen3-Next (gated
-DeltaNet + softmax attention) trained on 2 CPU processes x 2 accumulated micro-batches, with documents cut
-across them, equal 1 process with the same global batch in one micro-batch, step by step (fp32, SGD): a
+"""recipes/hybrid_linear_loop.py: MiniMax (lightning + softmax attention) and Qwen3-Next (gated DeltaNet +
+softmax attention) trained on 2 CPU processes x 2 accumulated micro-batches, with documents cut across them, equal 1 process with the same global batch in one micro-batch, step by step (fp32, SGD): a
 loop that divides the gradient by the accumulation steps a second time fails it from step 2."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+from run_recipes import launch
 from tolerances import TOL
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RECIPE = os.path.join(ROOT, "recipes", "hybrid_linear_loop.py")
 
 
 @pytest.mark.slow
@@ -23,16 +17,12 @@ def test_all_scan_hybrid_recipe_exact_across_world_sizes(tmp_path, arch):
     losses, outputs = {}, {}
     for world, grad_accum, tokens_per_rank in ((1, 1, 2048), (2, 2, 512)):
         out = tmp_path / f"losses{world}.json"
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-            RECIPE, "--arch", arch, "--tokens-per-rank", str(tokens_per_rank), "--max-steps", "3",
-            "--grad-accum", str(grad_accum), "--backend", "reference", "--losses-file", str(out),
+        argv = [
+            "--arch", arch, "--tokens-per-rank", str(tokens_per_rank), "--max-steps", "3", "--grad-accum",
+            str(grad_accum), "--backend", "reference", "--losses-file", str(out),
         ]  # fmt: skip
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+        outputs[world] = launch(world, [["hybrid_linear_loop.py", argv]], tmp_path)[0]
         losses[world] = json.loads(out.read_text())
-        outputs[world] = proc.stdout
     assert len(losses[1]) == 3
     for got, want in zip(losses[2], losses[1], strict=True):
         assert abs(got - want) <= TOL["train_loss"][0] * abs(want), (losses[2], losses[1])

@@ -15,7 +15,7 @@
   step with ping-pong gives the same loss and gradients as without, with no checkpointing, plain
   recompute and rematerialization-aware checkpointing (which replays the kept outputs: no extra kernels,
   no extra bytes); signal-only exchanges send one byte.
-- Through the recipe under torchrun (2 processes, DDP, gradient checkpointing): ``--ping-pong`` and
+- Through the recipe on 2 processes (tests/run_recipes.py, DDP, gradient checkpointing): ``--ping-pong`` and
   ``--no-ping-pong`` train to the same losses and weights; the flags come from DistCAConfig.
 - benchmarks/bench_ping_pong.py: its trace summary on a hand-made trace, and its ``--cpu`` smoke run.
 """
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -34,6 +33,7 @@ import torch.distributed as dist
 from distributed import check_cases, run_distributed
 from engine_bytes import exchange_bytes, nonzero, phase_counts
 from oracle import TOL, Layout, assert_close, named_layouts, oracle_with_grads, random_qkv
+from run_recipes import launch
 from test_engine_remat import LAYERS, MODES, assert_grads_close, check_modes, run_model_steps
 
 from hf_distca import DistCAConfig, core_attention, metrics, plan_core_attention
@@ -492,14 +492,7 @@ def test_ping_pong_recipe_ddp_matches(tmp_path, flag):
     ]  # fmt: skip
     off = "--no-" + flag[2:]
     runs = [["finetune_long_docs.py", [*common, f, "--output-dir", str(tmp_path / f)]] for f in (flag, off)]
-    (tmp_path / "runs.json").write_text(json.dumps(runs))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        os.path.join(ROOT, "tests", "run_recipes.py"), str(tmp_path / "runs.json"),
-    ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    launch(2, runs, tmp_path)
     records, weights = {}, {}
     for f in (flag, off):
         out = tmp_path / f
@@ -540,7 +533,7 @@ def test_ping_pong_bench_trace_summary():
             "tid": tid,
         }
 
-    def launch(corr, ts, tid=1):
+    def kernel_launch(corr, ts, tid=1):
         return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1, "tid": tid,
                 "args": {"correlation": corr}}  # fmt: skip
 
@@ -548,11 +541,11 @@ def test_ping_pong_bench_trace_summary():
         return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr, "stream": stream}}  # fmt: skip
 
     events = [
-        cpu("fwd.dispatch.0", 0, 2), launch(1, 1),  # nano-batch 0's all-to-all: GPU 100-110
-        cpu("fwd.dispatch.1", 3, 2), launch(2, 4),  # nano-batch 1's: GPU 110-120
-        cpu("fwd.compute.0", 6, 3), launch(3, 7),  # the server kernel: GPU 116-130
-        launch(4, 20), launch(5, 40, tid=2),  # a kernel outside any range; one on another thread
-        cpu("bwd.dispatch.0", 50, 2), launch(6, 51),
+        cpu("fwd.dispatch.0", 0, 2), kernel_launch(1, 1),  # nano-batch 0's all-to-all: GPU 100-110
+        cpu("fwd.dispatch.1", 3, 2), kernel_launch(2, 4),  # nano-batch 1's: GPU 110-120
+        cpu("fwd.compute.0", 6, 3), kernel_launch(3, 7),  # the server kernel: GPU 116-130
+        kernel_launch(4, 20), kernel_launch(5, 40, tid=2),  # a kernel outside any range; one on another thread
+        cpu("bwd.dispatch.0", 50, 2), kernel_launch(6, 51),
         kernel("ncclDevKernel_SendRecv(x)", 1, 100, 10, 20),
         kernel("ncclDevKernel_SendRecv(x)", 2, 110, 10, 20),
         kernel("flash_fwd_kernel", 3, 116, 14, 7),
@@ -581,16 +574,13 @@ def test_ping_pong_bench_cpu_smoke(tmp_path):
     # that every micro-batch (any two documents fit in one) also splits into two nano-batches of whole documents
     lengths = tmp_path / "lengths.json"
     lengths.write_text(json.dumps([1100, 700, 900, 600]))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        os.path.join(ROOT, "benchmarks", "bench_ping_pong.py"), "--cpu", "--model", "tiny-llama", "--layers", "2",
-        "--tokens-per-rank", "1024", "--doc-lengths", f"smoke={lengths}", "--warmup", "0", "--steps", "1", "--backend",
-        "reference", "--profile", "ping_pong", "--link", "gloo", "--out", str(tmp_path / "pp.md"),
-        "--json", str(tmp_path / "pp.json"), "--trace-dir", str(tmp_path / "traces"),
+    argv = [
+        "--cpu", "--model", "tiny-llama", "--layers", "2", "--tokens-per-rank", "1024", "--doc-lengths",
+        f"smoke={lengths}", "--warmup", "0", "--steps", "1", "--backend", "reference", "--profile", "ping_pong",
+        "--link", "gloo", "--out", str(tmp_path / "pp.md"), "--json", str(tmp_path / "pp.json"),
+        "--trace-dir", str(tmp_path / "traces"),
     ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    launch(2, [["benchmarks/bench_ping_pong.py", argv]], tmp_path)
     results = json.loads((tmp_path / "pp.json").read_text())
     (res,) = results.values()
     modes = res["modes"]

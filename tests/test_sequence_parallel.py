@@ -1,6 +1,6 @@
 """The sequence-parallel baselines of the benchmark suite (recipes/sequence_parallel_long_docs.py) on the CPU.
 
-- DeepSpeed Ulysses / ALST through Accelerate (``sp_size``): the recipe under torchrun on 2 gloo
+- DeepSpeed Ulysses / ALST through Accelerate (``sp_size``): the recipe on 2 gloo
   processes trains exactly like finetune_long_docs.py on one process (per-step losses), and its attention
   layer, ``UlyssesSPAttentionHF`` around hf_distca's document-aware attention, gives the per-document
   oracle's outputs and gradients; around SDPA (the core that needs no extra package) documents leak.
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -21,6 +20,7 @@ import torch
 from distributed import run_distributed
 from extras import require
 from oracle import assert_close, oracle_attention, oracle_with_grads, random_qkv
+from run_recipes import launch
 from tolerances import TOL
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -195,18 +195,13 @@ def test_packed_rows_are_the_distca_global_batches(tmp_path, monkeypatch, capsys
         sp_recipe.main(["--parallelism", "torch-cp", "--attn", "sdpa", "--cpu"])
 
 
-def _launch(world: int, script: str, out_dir: str, *argv: str) -> list[dict]:
+def _launch(world: int, script: str, out_dir, *argv: str) -> list[dict]:
     """Run ``script`` (a path under the repository) on ``world`` processes; its metrics records."""
-    if world > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)]
-    else:
-        cmd = [sys.executable]
-    cmd += [os.path.join(ROOT, script), *argv, "--output-dir", out_dir]
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", DS_ACCELERATOR="cpu",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, (
-        f"{script} failed on {world} process(es):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    launch(
+        world,
+        [[script, [*argv, "--output-dir", str(out_dir)]]],
+        out_dir.parent,
+        env={"DS_ACCELERATOR": "cpu"},
     )
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
@@ -221,13 +216,11 @@ def test_ulysses_recipe_trains_like_one_process(tmp_path):
     lengths.write_text(json.dumps([300, 700, 1500, 2600, 120, 90, 450, 1000]))
     common = ["--doc-lengths", str(lengths), "--num-documents", "40", "--max-steps", "3", "--optim", "sgd",
               "--learning-rate", "0.5", "--seed", "3", "--no-save"]  # fmt: skip
-    ref = _launch(
-        1, "recipes/finetune_long_docs.py", str(tmp_path / "ref"), *common, "--tokens-per-rank", "2048"
-    )
+    ref = _launch(1, "recipes/finetune_long_docs.py", tmp_path / "ref", *common, "--tokens-per-rank", "2048")
     ulysses = _launch(
         2,
         "recipes/sequence_parallel_long_docs.py",
-        str(tmp_path / "sp"),
+        tmp_path / "sp",
         *common,
         "--tokens-per-rank",
         "1024",
@@ -258,7 +251,7 @@ def test_ulysses_under_zero1_scales_the_gradient_by_sp_size(tmp_path):
     lengths.write_text(json.dumps([300, 700, 1500, 2600, 120, 90, 450, 1000]))
     argv = ["--doc-lengths", str(lengths), "--num-documents", "40", "--max-steps", "1", "--optim", "sgd",
             "--learning-rate", "0.5", "--seed", "3", "--tokens-per-rank", "1024"]  # fmt: skip
-    _launch(2, "tests/ulysses_zero_stage.py", str(tmp_path / "z1"), "1", *argv)
+    _launch(2, "tests/ulysses_zero_stage.py", tmp_path / "z1", "1", *argv)
     trained = load_file(str(tmp_path / "z1" / "model" / "model.safetensors"))
     # the single-process gradient of the same first step, in this process
     args = sp_recipe.parse_args(argv)

@@ -1,6 +1,6 @@
 """recipes/sft_trl.py (TRL's SFTTrainer + DistCACallback) and the baseline layouts, through the recipes.
 
-One torchrun of 2 CPU processes (gloo, fp32) runs, on the same generated documents: the Trainer recipe,
+One launch of 2 CPU processes (gloo, fp32) runs, on the same generated documents: the Trainer recipe,
 the SFTTrainer recipe, the balanced-packing baseline (exact: DistCA's engine with balancing off) and
 the HF-default baseline (attention local to each piece).
 """
@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 from extras import require
+from run_recipes import launch
 from tolerances import TOL
 
 from hf_distca.data import DistCABatches
@@ -55,14 +55,7 @@ def test_sft_trainer_and_baselines_match_the_trainer_recipe_on_two_ranks(tmp_pat
         [recipe, [*data, *extra, "--output-dir", str(tmp_path / name)]]
         for name, (recipe, extra) in runs.items()
     ]
-    (tmp_path / "runs.json").write_text(json.dumps(spec))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        os.path.join(ROOT, "tests", "run_recipes.py"), str(tmp_path / "runs.json"),
-    ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_DISABLE_TELEMETRY="1")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    launch(2, spec, tmp_path)
     got = {name: records(tmp_path / name) for name in runs}
     ref = got["trainer"]
     assert [r["step"] for r in ref] == [1, 2, 3]

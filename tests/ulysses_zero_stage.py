@@ -8,12 +8,16 @@ from __future__ import annotations
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes"))
+import sequence_parallel_long_docs as recipe  # noqa: E402
+
+
+def main(argv: list[str]) -> dict:
+    """``argv``: the ZeRO stage, then the recipe's flags."""
+    recipe.ZERO3["zero_optimization"]["stage"] = int(argv[0])
+    return recipe.main(argv[1:])
+
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.join(ROOT, "recipes"))
-    import sequence_parallel_long_docs as recipe
-
-    recipe.ZERO3["zero_optimization"]["stage"] = int(sys.argv[1])
-    recipe.main(sys.argv[2:])
+    main(sys.argv[1:])
     recipe.base.end_process_group()

@@ -166,7 +166,10 @@ def _worker() -> ProcessPoolExecutor:
     return _executor
 
 
-def _shutdown() -> None:
+def stop() -> None:
+    """Stop the background worker, dropping the plans not taken yet (the next prefetch starts a new one).
+    Runs at interpreter exit; a process that ends without it (``os._exit``, as multiprocessing's children
+    do) calls it first, or waits for the worker forever."""
     with _lock:
         _shutdown_locked()
 
@@ -178,4 +181,4 @@ def _shutdown_locked() -> None:
         executor.shutdown(wait=False, cancel_futures=True)
 
 
-atexit.register(_shutdown)
+atexit.register(stop)
