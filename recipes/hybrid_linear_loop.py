@@ -32,7 +32,7 @@ from hf_distca.linear.layers import enable_linear_attention_sp
 from hf_distca.linear.ops import chains_of
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from accelerate_loop import finish, rank_batches, run_steps  # noqa: E402
+from accelerate_loop import add_loop_arguments, finish, rank_batches, run_steps  # noqa: E402
 
 
 def qwen3_next_fields(key_heads: int, head_dim: int, experts: int, expert_size: int) -> dict:
@@ -104,19 +104,13 @@ def main(argv=None) -> list[float]:
         help="local MiniMax or Qwen3-Next checkpoint (default: random init of --size)",
     )
     p.add_argument("--size", choices=("tiny", "small"), default="tiny")
-    p.add_argument("--tokens-per-rank", type=int, default=512)
-    p.add_argument("--max-steps", type=int, default=5)
-    p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--num-documents", type=int, default=100)
+    add_loop_arguments(p, tokens_per_rank=512, num_documents=100)
     p.add_argument("--mean-doc-length", type=int, default=300)
     p.add_argument("--max-doc-length", type=int, default=1000)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--learning-rate", type=float, default=0.5)
     p.add_argument("--scan", choices=("all_scan", "serial", "all_gather"), default="all_scan")
     p.add_argument("--num-blocks", type=int, default=8, help="All-Scan pipeline blocks along the value dim")
     p.add_argument("--backend", choices=LINEAR_BACKENDS, default="auto")
     p.add_argument("--bf16", action="store_true")
-    p.add_argument("--losses-file", default=None, help="write the per-step losses here (JSON list, rank 0)")
     args = p.parse_args(argv)
 
     # gradient accumulation is train_step's (the loss is already normalized by the whole global batch)
