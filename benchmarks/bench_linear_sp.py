@@ -53,7 +53,6 @@ from hf_distca.linear.ops import (
 from hf_distca.linear.simulate import LinkModel, best_blocks, chain_scan_time, fit_link
 
 CHECK_TOL = 2e-2  # max |a - b| / max |b| per tensor: bf16/tf32 kernels against the float64 reference
-SECTIONS = ("check", "p2p", "scan", "layer", "model", "simulate")
 
 
 # ------------------------------------------------------------------------------------------- helpers
@@ -538,12 +537,21 @@ def section_simulate(ctx) -> tuple[str, dict]:
 
 
 # ------------------------------------------------------------------------------------------------ main
+# section name -> the function that runs it (section_<name>), in report order
+SECTIONS = {
+    run.__name__.removeprefix("section_"): run
+    for run in (section_check, section_p2p, section_scan, section_layer, section_model, section_simulate)
+}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="output directory (linear_sp.md, linear_sp.json)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     p.add_argument("--backend", choices=LINEAR_BACKENDS, default="auto")
-    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    p.add_argument(
+        "--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {tuple(SECTIONS)}"
+    )
     p.add_argument("--smoke", action="store_true", help="tiny sizes: test the script, not the machine")
     p.add_argument(
         "--link-latency-us", type=float, default=10.0, help="simulate without the p2p section: latency"
@@ -553,7 +561,7 @@ def main(argv=None) -> None:
     sections = [s for s in args.sections.split(",") if s]
     unknown = set(sections) - set(SECTIONS)
     if unknown:
-        p.error(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
+        p.error(f"unknown sections {sorted(unknown)}; choose from {tuple(SECTIONS)}")
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -593,18 +601,10 @@ def main(argv=None) -> None:
         f"Command: `torchrun --nproc-per-node {world} benchmarks/bench_linear_sp.py {' '.join(sys.argv[1:])}`\n"
     )
     report, results = [header], {}
-    runners = dict(
-        check=section_check,
-        p2p=section_p2p,
-        scan=section_scan,
-        layer=section_layer,
-        model=section_model,
-        simulate=section_simulate,
-    )
     for name in sections:
         start = time.perf_counter()
         try:
-            md, res = runners[name](ctx)
+            md, res = SECTIONS[name](ctx)
         except Exception as exc:  # a section that fails on every rank alike: report it, run the next one
             traceback.print_exc()
             md, res = f"FAILED on rank {rank}: `{type(exc).__name__}: {exc}`", {"error": repr(exc)}

@@ -27,6 +27,7 @@ from hf_distca.data import DistCABatches, documents_with_lengths
 from hf_distca.data.baselines import LAYOUTS
 from hf_distca.data.nano import NANO_BATCHES
 from hf_distca.data.rebatch import LayoutFn
+from hf_distca.planning import imbalance as load_imbalance
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB_DOCS = 32000  # token ids of the generated documents (the model's vocabulary stays 128K)
@@ -285,7 +286,7 @@ def timed_steps(step, batches, warmup: int, device: torch.device) -> dict:
             times.append(elapsed)
             kernels.append(stats.attn_fwd_kernels)
             sent.append(stats.bytes_sent)
-            imbalance.append((stats.imbalance_before, stats.imbalance_after))
+            imbalance.append((load_imbalance(stats.flops_before), load_imbalance(stats.flops_after)))
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     step_times = [max_over_ranks([t], device)[0] for t in times]
     peak_max, kernels_max, sent_max = max_over_ranks([peak, float(max(kernels)), float(max(sent))], device)

@@ -319,6 +319,23 @@ def _run_local(
     )  # fmt: skip
 
 
+def _layout_runtime(module: torch.nn.Module) -> Any:
+    """The runtime :func:`enable_distca` gave ``module``, which a forward with a ``distca_layout`` needs."""
+    runtime = getattr(module, RUNTIME_ATTR, None)
+    if runtime is None:
+        raise RuntimeError(
+            "the forward got a distca_layout but the model has no distca runtime; call "
+            "hf_distca.enable_distca(model, group=...) after building the model (and on every rank)"
+        )
+    return runtime
+
+
+def _config(module: torch.nn.Module) -> DistCAConfig:
+    """The DistCAConfig :func:`enable_distca` gave ``module`` (the defaults without it)."""
+    runtime = getattr(module, RUNTIME_ATTR, None)
+    return runtime.config if runtime is not None else _DEFAULT_CONFIG
+
+
 def _run_distributed(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -329,12 +346,7 @@ def _run_distributed(
     layout: Any,
     kwargs: dict,
 ) -> torch.Tensor:
-    runtime = getattr(module, RUNTIME_ATTR, None)
-    if runtime is None:
-        raise RuntimeError(
-            "the forward got a distca_layout but the model has no distca runtime; call "
-            "hf_distca.enable_distca(model, group=...) after building the model (and on every rank)"
-        )
+    runtime = _layout_runtime(module)
     batch, _, seq, _ = query.shape
     if batch != 1:
         raise ValueError(
@@ -485,16 +497,11 @@ def _run_compiled(
             "(DataCollatorWithFlattening, or DistCA's data path); padded batches need an eager model: drop "
             "torch.compile or the padding"
         )
-    runtime = getattr(module, RUNTIME_ATTR, None)
     window = kwargs.get("sliding_window")  # softcap and sinks are refused here (hf_distca.features)
     q, k, v = _flat(query), _flat(key), _flat(value)  # (B * S, H, D)
     layout = kwargs.get("distca_layout")
     if layout is not None:
-        if runtime is None:
-            raise RuntimeError(
-                "the forward got a distca_layout but the model has no distca runtime; call "
-                "hf_distca.enable_distca(model, group=...) after building the model (and on every rank)"
-            )
+        runtime = _layout_runtime(module)
         token = getattr(layout, "token", None)
         if batch != 1 or token is None:
             raise ValueError(
@@ -504,7 +511,6 @@ def _run_compiled(
             )
         out = compiled_core_attention(q, k, v, token, runtime.key, scale=scaling, window=window)
     else:
-        config = runtime.config if runtime is not None else _DEFAULT_CONFIG
         out = compiled_local_attention(
             q,
             k,
@@ -513,7 +519,7 @@ def _run_compiled(
             cu_seq_lens=kwargs.get("cu_seq_lens_q"),
             position_ids=kwargs.get("position_ids"),
             scale=scaling,
-            backend=config.backend,
+            backend=_config(module).backend,
             window=window,
         )  # (B * S, Hq, D)
     return out.view(batch, seq, num_heads, head_dim)  # (B, S, Hq, D)
@@ -562,8 +568,7 @@ def distca_attention_forward(
         out = _run_distributed(module, query, key, value, attention_mask, scaling, layout, kwargs)
         return out, None
 
-    runtime = getattr(module, RUNTIME_ATTR, None)
-    config = runtime.config if runtime is not None else _DEFAULT_CONFIG
+    config = _config(module)
     mask = _padding_mask(attention_mask, batch, seq, key.shape[2])
     if key.shape[2] != seq or (mask is not None and mask.shape[1] != seq):
         return _run_with_past(query, key, value, mask, scaling, config, kwargs), None

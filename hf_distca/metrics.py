@@ -15,8 +15,6 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from hf_distca.planning.tasks import imbalance
-
 
 @dataclass
 class EngineStats:
@@ -41,14 +39,6 @@ class EngineStats:
     plan_seconds: float = 0.0
     """Seconds the engine's thread spent on plans: planning, or waiting for a prefetched plan, and
     building the dispatch index (the critical-path cost of planning)."""
-
-    @property
-    def imbalance_before(self) -> float:
-        return imbalance(self.flops_before)
-
-    @property
-    def imbalance_after(self) -> float:
-        return imbalance(self.flops_after)
 
 
 _lock = threading.Lock()

@@ -31,6 +31,18 @@ from hf_distca.data import DistCABatches, DistCADataLoader, documents_with_lengt
 VOCAB = 256
 
 
+def add_loop_arguments(p: argparse.ArgumentParser, *, tokens_per_rank: int, num_documents: int) -> None:
+    """The arguments :func:`rank_batches`, :func:`run_steps` and :func:`finish` read, and the documents'
+    count, seed and learning rate (defaults: ``tokens_per_rank`` and ``num_documents`` as given)."""
+    p.add_argument("--tokens-per-rank", type=int, default=tokens_per_rank)
+    p.add_argument("--max-steps", type=int, default=5)
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--num-documents", type=int, default=num_documents)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--learning-rate", type=float, default=0.5)
+    p.add_argument("--losses-file", default=None, help="write the per-step losses here (JSON list, rank 0)")
+
+
 def train_step(accelerator: Accelerator, model, optimizer, step_batches: list[dict]) -> float:
     """One optimizer step over this rank's micro-batches of one global batch; returns the step's loss.
 
@@ -109,19 +121,13 @@ def finish(accelerator: Accelerator, path: str | None, losses: list[float]) -> l
 
 def main(argv=None) -> list[float]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens-per-rank", type=int, default=1024)
-    p.add_argument("--max-steps", type=int, default=5)
-    p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--num-documents", type=int, default=200)
+    add_loop_arguments(p, tokens_per_rank=1024, num_documents=200)
     p.add_argument(
         "--doc-lengths",
         default=None,
         help="JSON list of document lengths: generated documents get lengths drawn from it "
         "(default: a long-tailed distribution, mean 400, max 3000 tokens)",
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--learning-rate", type=float, default=0.5)
-    p.add_argument("--losses-file", default=None, help="write the per-step losses here (JSON list, rank 0)")
     add_config_arguments(p)  # every DistCAConfig field, e.g. --shard-tokens
     args = p.parse_args(argv)
 

@@ -32,61 +32,42 @@ from hf_distca.linear.layers import enable_linear_attention_sp
 from hf_distca.linear.ops import chains_of
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from accelerate_loop import finish, rank_batches, run_steps  # noqa: E402
+from accelerate_loop import add_loop_arguments, finish, rank_batches, run_steps  # noqa: E402
+
+
+def qwen3_next_fields(key_heads: int, head_dim: int, experts: int, expert_size: int) -> dict:
+    """Qwen3-Next's gated-DeltaNet heads and experts at a smaller size, in its proportions: twice as many
+    value heads as key heads, one head dim for both, 2 routed experts per token and a shared expert as
+    wide as a routed one."""
+    return dict(
+        linear_num_key_heads=key_heads,
+        linear_num_value_heads=2 * key_heads,
+        linear_key_head_dim=head_dim,
+        linear_value_head_dim=head_dim,
+        num_experts=experts,
+        num_experts_per_tok=2,
+        moe_intermediate_size=expert_size,
+        shared_expert_intermediate_size=expert_size,
+    )
+
 
 # random-init shapes: 3 linear-attention layers per softmax layer (MiniMax-01 uses 7 per 1, Qwen3-Next 3)
-SIZES = {
-    ("minimax", "tiny"): dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_local_experts=2,
-        num_experts_per_tok=2,
+SHAPES = {  # per size, what both architectures share: the hidden and MLP widths, layers and query heads
+    "tiny": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, head_dim=16
     ),
-    ("minimax", "small"): dict(
-        hidden_size=1024,
-        intermediate_size=2816,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=128,
-        num_local_experts=1,
-        num_experts_per_tok=1,
+    "small": dict(
+        hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=8, head_dim=128
     ),
+}
+ARCH_FIELDS = {  # per architecture and size: its KV heads, experts and linear-attention heads
+    ("minimax", "tiny"): dict(num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=2),
+    ("minimax", "small"): dict(num_key_value_heads=4, num_local_experts=1, num_experts_per_tok=1),
     ("qwen3-next", "tiny"): dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        num_experts=2,
-        num_experts_per_tok=2,
-        moe_intermediate_size=64,
-        shared_expert_intermediate_size=64,
+        num_key_value_heads=2, **qwen3_next_fields(2, 16, experts=2, expert_size=64)
     ),
     ("qwen3-next", "small"): dict(
-        hidden_size=1024,
-        intermediate_size=2816,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=128,
-        linear_num_key_heads=8,
-        linear_num_value_heads=16,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=1024,
-        shared_expert_intermediate_size=1024,
+        num_key_value_heads=2, **qwen3_next_fields(8, 128, experts=4, expert_size=1024)
     ),
 }
 CONFIGS = {"minimax": MiniMaxConfig, "qwen3-next": Qwen3NextConfig}
@@ -95,7 +76,7 @@ CONFIGS = {"minimax": MiniMaxConfig, "qwen3-next": Qwen3NextConfig}
 def build_model(args, vocab_size: int) -> torch.nn.Module:
     if args.model is not None:
         return AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="distca")
-    shape = SIZES[(args.arch, args.size)]
+    shape = {**SHAPES[args.size], **ARCH_FIELDS[(args.arch, args.size)]}
     layers = shape["num_hidden_layers"]
     extra = dict(block_size=64) if args.arch == "minimax" else dict(linear_conv_kernel_dim=4)
     config = CONFIGS[args.arch](
@@ -123,19 +104,13 @@ def main(argv=None) -> list[float]:
         help="local MiniMax or Qwen3-Next checkpoint (default: random init of --size)",
     )
     p.add_argument("--size", choices=("tiny", "small"), default="tiny")
-    p.add_argument("--tokens-per-rank", type=int, default=512)
-    p.add_argument("--max-steps", type=int, default=5)
-    p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--num-documents", type=int, default=100)
+    add_loop_arguments(p, tokens_per_rank=512, num_documents=100)
     p.add_argument("--mean-doc-length", type=int, default=300)
     p.add_argument("--max-doc-length", type=int, default=1000)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--learning-rate", type=float, default=0.5)
     p.add_argument("--scan", choices=("all_scan", "serial", "all_gather"), default="all_scan")
     p.add_argument("--num-blocks", type=int, default=8, help="All-Scan pipeline blocks along the value dim")
     p.add_argument("--backend", choices=LINEAR_BACKENDS, default="auto")
     p.add_argument("--bf16", action="store_true")
-    p.add_argument("--losses-file", default=None, help="write the per-step losses here (JSON list, rank 0)")
     args = p.parse_args(argv)
 
     # gradient accumulation is train_step's (the loss is already normalized by the whole global batch)

@@ -25,7 +25,7 @@ from test_engine_remat import check_remat_case, remat_case
 from hf_distca import DistCAConfig, PieceError, core_attention, metrics, plan_core_attention
 from hf_distca import engine as eng
 from hf_distca.engine import clear_plan_cache
-from hf_distca.kernels import reference_varlen_attention
+from hf_distca.kernels import ForwardTensors, reference_varlen_attention
 from hf_distca.planning import attention_flops_per_pair, build_dispatch_index, forward_flops_per_pair, traffic
 
 D = 8
@@ -86,13 +86,12 @@ def _stages_case(rank: int, case: dict) -> dict:
     out.backward(w)
     prep = eng.prepare(q, k, v, layout.pieces[rank], group=group, config=cfg, all_pieces=layout.pieces)
     pending = eng.dispatch(prep, q, k, v, group, async_op=True)
-    out_k, lse = eng.compute(prep, q, k, v, pending.wait(), scale=None, backend=cfg.backend)
+    kernel = eng.Kernel(None, cfg.backend)
+    out_k, lse = eng.compute(prep, q, k, v, pending.wait(), kernel)
     pending = eng.return_outputs(prep, out_k, group, async_op=True)
     staged = eng.gather_outputs(prep, out_k, pending.wait())
     pending = eng.dispatch_backward(prep, q, k, v, staged, w, group, async_op=True)
-    grads_k = eng.compute_backward(
-        prep, q, k, v, staged, w, lse, pending.wait(), scale=None, backend=cfg.backend
-    )
+    grads_k = eng.compute_backward(prep, ForwardTensors(q, k, v, staged, lse), w, pending.wait(), kernel)
     dq_k, dk_k, dv_k, _ = grads_k  # no sinks: no sinks gradient
     grads = eng.gather_grads(prep, eng.return_grads(prep, dq_k, dk_k, dv_k, group, async_op=True), k.dtype)
     return {"op": [out.detach(), *(t.grad for t in leaves)], "stages": [staged, *grads]}

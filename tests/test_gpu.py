@@ -266,28 +266,22 @@ def test_auto_backend_on_cuda_bf16_is_a_gpu_kernel():
     assert available_backends(torch.device("cuda"), torch.float32) == ["reference"]
 
 
+def _bf16_llama(**overrides):
+    """tests/test_attention_hf.py's tiny Llama (random weights of seed 0, vocabulary 128) 256 wide, with 4
+    query and 2 KV heads of 64, in bf16 on CUDA under distca."""
+    from test_attention_hf import tiny_model
+
+    model = tiny_model("llama", hidden_size=256, head_dim=64, intermediate_size=512, **overrides)
+    return model.to("cuda", torch.bfloat16)
+
+
 def test_tiny_llama_bf16_on_cuda_matches_per_document_sdpa():
     """The whole path on GPU: a bf16 model under distca (CUDA kernel) vs SDPA one document at a time."""
-    from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, LlamaConfig
+    from test_attention_hf import packed_batch, random_docs
 
-    import hf_distca  # noqa: F401  (registers "distca")
-
-    cfg = LlamaConfig(
-        hidden_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        intermediate_size=512,
-        vocab_size=128,
-        max_position_embeddings=4096,
-        initializer_range=0.05,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="distca").to("cuda", torch.bfloat16)
-    g = torch.Generator().manual_seed(1)
-    docs = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (1, 7, 300, 33, 1000, 129)]
-    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": d} for d in docs])
+    model = _bf16_llama(max_position_embeddings=4096, initializer_range=0.05)
+    docs = random_docs([1, 7, 300, 33, 1000, 129], seed=1)
+    batch = packed_batch(docs)
     batch = {k: (v.cuda() if torch.is_tensor(v) else v) for k, v in batch.items() if k != "labels"}
     with torch.no_grad():
         got = model(**batch, use_cache=False).logits[0].float()  # (T, V)
@@ -316,16 +310,12 @@ def test_compiled_layers_on_cuda_match_eager(backend):
     checkpointing: the loss and gradients of eager, within bf16 rounding; attention is not recomputed."""
     import copy
 
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
     import hf_distca
     from hf_distca import metrics
     from hf_distca.data.loader import DistCALayout
 
-    cfg = LlamaConfig(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=64, intermediate_size=512, vocab_size=128, use_cache=False)  # fmt: skip
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="distca").to("cuda", torch.bfloat16)
+    # LlamaConfig's own max_position_embeddings and initializer_range
+    model = _bf16_llama(max_position_embeddings=2048, initializer_range=0.02, use_cache=False)
     model.train()
     eager = copy.deepcopy(model)
     for m in (model, eager):
@@ -350,7 +340,7 @@ def test_compiled_layers_on_cuda_match_eager(backend):
     model.zero_grad()
     metrics.reset()
     got_loss, got = run(model)
-    assert metrics.snapshot().attn_fwd_kernels == cfg.num_hidden_layers
+    assert metrics.snapshot().attn_fwd_kernels == model.config.num_hidden_layers
     rtol, _ = TOL["gpu_out"]
     assert abs(got_loss - want_loss) <= rtol * abs(want_loss)
     for name, ref in want.items():

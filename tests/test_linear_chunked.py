@@ -37,6 +37,22 @@ def _cu(lengths: list[int]) -> list[int]:
     return cu
 
 
+def _recurrence(backend: str, inputs: dict, lengths: list[int], **kw):
+    """:func:`recurrence` with ``backend`` of ``inputs`` (q, k, v, log_decay, beta by name; a missing or
+    None log_decay/beta: none) over documents of ``lengths``, with scale ``SCALE``."""
+    return recurrence(
+        inputs["q"],
+        inputs["k"],
+        inputs["v"],
+        cu_seqlens=_cu(lengths),
+        log_decay=inputs.get("log_decay"),
+        beta=inputs.get("beta"),
+        scale=SCALE,
+        backend=backend,
+        **kw,
+    )
+
+
 def _run(backend: str, inputs: dict, lengths: list[int], h0: torch.Tensor | None, **kw) -> dict:
     """The recurrence with ``backend``: outputs, final states and the gradients of every input of loss = sum(o * w) + sum(final * w_state)."""
     leaves = {
@@ -46,18 +62,8 @@ def _run(backend: str, inputs: dict, lengths: list[int], h0: torch.Tensor | None
     }
     if h0 is not None:
         leaves["h0"] = h0.clone().requires_grad_(True)
-    out, final = recurrence(
-        leaves["q"],
-        leaves["k"],
-        leaves["v"],
-        cu_seqlens=_cu(lengths),
-        log_decay=leaves.get("log_decay"),
-        beta=leaves.get("beta"),
-        scale=SCALE,
-        initial_state=leaves.get("h0"),
-        output_final_state=True,
-        backend=backend,
-        **kw,
+    out, final = _recurrence(
+        backend, leaves, lengths, initial_state=leaves.get("h0"), output_final_state=True, **kw
     )
     w_state = torch.linspace(-1, 1, final.numel(), dtype=final.dtype).view(final.shape)
     ((out * inputs["w"].to(out.dtype)).sum() + (final * w_state).sum()).backward()
@@ -133,16 +139,7 @@ def test_chunked_per_key_dim_pairs_in_groups_recomputed_in_backward(kind, monkey
     _assert_matches(got, _run("reference", inputs, LENGTHS, h0), kind)
     sizes.clear()
     with torch.no_grad():
-        recurrence(
-            inputs["q"],
-            inputs["k"],
-            inputs["v"],
-            cu_seqlens=_cu(LENGTHS),
-            log_decay=inputs["log_decay"],
-            beta=inputs["beta"],
-            backend="chunked",
-            chunk_size=CHUNK,
-        )
+        _recurrence("chunked", inputs, LENGTHS, chunk_size=CHUNK)
     assert sizes == [1] * chunks  # no gradients: nothing to recompute
 
 
@@ -162,17 +159,7 @@ def test_chunked_low_precision_inputs(kind):
     assert got["out"].dtype == got["final"].dtype == torch.float32
     _assert_matches(got, want, kind, tol="fp32")
     bf16 = {n: (x.to(torch.bfloat16) if x is not None and n != "log_decay" else x) for n, x in inputs.items()}
-    out, final = recurrence(
-        bf16["q"],
-        bf16["k"],
-        bf16["v"],
-        cu_seqlens=_cu(lengths),
-        log_decay=bf16["log_decay"],
-        beta=bf16["beta"],
-        scale=SCALE,
-        output_final_state=True,
-        backend="chunked",
-    )
+    out, final = _recurrence("chunked", bf16, lengths, output_final_state=True)
     assert out.dtype == torch.bfloat16 and final.dtype == torch.float32
     assert float((out.double() - want["out"]).abs().max() / want["out"].abs().max()) < 5e-2
 
@@ -207,20 +194,15 @@ HOPPER, AMPERE, BLACKWELL = (9, 0), (8, 0), (10, 0)
     [
         # the gated chunk_bwd_dqkwg kinds on Hopper, Triton in [3.4.0, 3.7.1): refused
         ("scalar", HOPPER, "3.6.0", False, False, True),
-        ("delta", HOPPER, "3.6.0", False, False, True),
-        ("delta", HOPPER, "3.4.0", False, False, True),
-        ("delta", HOPPER, "3.7.0", False, False, True),
-        ("delta", HOPPER, "3.6.0+git1a2b3c", False, False, True),
+        *[
+            ("delta", HOPPER, triton, False, False, True)
+            for triton in ("3.6.0", "3.4.0", "3.7.0", "3.6.0+git1a2b3c")
+        ],
         ("delta", (9, 0), "3.5.1", False, True, True),
         # the other kinds never run it (g_gamma, chunk_gla, chunk_kda)
-        ("none", HOPPER, "3.6.0", False, False, False),
-        ("const", HOPPER, "3.6.0", False, False, False),
-        ("vector", HOPPER, "3.6.0", False, False, False),
-        ("kda", HOPPER, "3.6.0", False, False, False),
+        *[(kind, HOPPER, "3.6.0", False, False, False) for kind in ("none", "const", "vector", "kda")],
         # Triton outside the broken range
-        ("delta", HOPPER, "3.3.1", False, False, False),
-        ("delta", HOPPER, "3.4.0rc1", False, False, False),
-        ("delta", HOPPER, "3.7.1", False, False, False),
+        *[("delta", HOPPER, triton, False, False, False) for triton in ("3.3.1", "3.4.0rc1", "3.7.1")],
         ("scalar", HOPPER, "3.8.0", False, False, False),
         # other GPUs, or not an NVIDIA GPU
         ("delta", AMPERE, "3.6.0", False, False, False),

@@ -26,6 +26,7 @@ from hf_distca.engine.op import LocalRunner, PingPongRunner, core_attention, loc
 from hf_distca.engine.prepare import PreparedAttention, clear_plan_cache, prepare
 from hf_distca.engine.stages import (
     GradReturn,
+    Kernel,
     compute,
     compute_backward,
     dispatch,
@@ -39,6 +40,7 @@ from hf_distca.engine.stages import (
 __all__ = [
     "GradReturn",
     "InconsistentInputError",
+    "Kernel",
     "LocalRunner",
     "NanoSplit",
     "PingPongRunner",

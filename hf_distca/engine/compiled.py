@@ -35,6 +35,7 @@ from hf_distca import metrics
 from hf_distca.checkpointing import keep_for_recompute, take_saved_attention
 from hf_distca.engine.op import LocalRunner, engine_runner
 from hf_distca.engine.prepare import prepare
+from hf_distca.engine.stages import Kernel
 from hf_distca.kernels import ForwardTensors, VarlenLayout
 from hf_distca.packing import cu_seqlens_from_lengths, packed_document_lengths
 
@@ -209,7 +210,7 @@ def _local_runner(q, cu_seq_lens, position_ids, batch: int, scale, backend: str,
     )
     longest = max(lengths, default=0)
     cu = cu_seqlens_from_lengths(lengths, device=torch.device("cpu"))
-    return LocalRunner(VarlenLayout(cu, cu, longest, longest), scale, backend, window)
+    return LocalRunner(VarlenLayout(cu, cu, longest, longest), Kernel(scale, backend), window)
 
 
 @torch.library.custom_op("hf_distca::local_attention_fwd", mutates_args=())

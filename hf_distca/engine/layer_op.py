@@ -34,6 +34,7 @@ from hf_distca.engine import stages
 from hf_distca.engine.interleave import Interleave
 from hf_distca.engine.prepare import PreparedAttention
 from hf_distca.engine.stages import GradReturn, stage_range
+from hf_distca.kernels import ForwardTensors
 
 
 @dataclass
@@ -42,8 +43,8 @@ class _Call:
 
     prep: PreparedAttention
     runner: Any
-    """The same call's one-part runner (:class:`~hf_distca.engine.op.PingPongRunner`): its group, scale,
-    kernel backend and softcap, and what a rematerialization-aware replay records."""
+    """The same call's one-part runner (:class:`~hf_distca.engine.op.PingPongRunner`): its group and
+    kernel, and what a rematerialization-aware replay records."""
     kv_dtype: torch.dtype
     index: int
     """The nano-batch's index: its stages' profiler ranges are ``distca.<pass>.<stage>.<index>``."""
@@ -88,10 +89,8 @@ class _Serve(torch.autograd.Function):
         with stage_range(f"fwd.wait_dispatch.{call.index}"):
             received = call.wait()
         with stage_range(f"fwd.compute.{call.index}"):
-            call.out_kernel, call.lse = stages.compute(
-                call.prep, q, k, v, received, scale=run.scale, backend=run.backend, softcap=run.softcap,
-                sinks=sinks,
-            )  # fmt: skip  # (Tk, Hq, D), (Tk, Hq)
+            # (Tk, Hq, D), (Tk, Hq)
+            call.out_kernel, call.lse = stages.compute(call.prep, q, k, v, received, run.kernel, sinks)
         del received  # the received rows are freed once the kernel has run
         with stage_range(f"fwd.return.{call.index}"):
             call.in_flight = stages.return_outputs(call.prep, call.out_kernel, run.group, async_op=True)
@@ -106,10 +105,9 @@ class _Serve(torch.autograd.Function):
         with stage_range(f"bwd.wait_dispatch.{call.index}"):
             received = call.wait()
         with stage_range(f"bwd.compute.{call.index}"):
-            *grads, dsinks = stages.compute_backward(
-                call.prep, q, k, v, out, dout, call.lse, received, scale=run.scale, backend=run.backend,
-                softcap=run.softcap, sinks=ctx.sinks,
-            )  # fmt: skip  # dq (Tk, Hq, D), dk and dv (Tkv, Hkv, D); this server's share of the sinks' gradient
+            # dq (Tk, Hq, D), dk and dv (Tkv, Hkv, D); this server's share of the sinks' gradient
+            fwd = ForwardTensors(q, k, v, out, call.lse)
+            *grads, dsinks = stages.compute_backward(call.prep, fwd, dout, received, run.kernel, ctx.sinks)
         del received
         with stage_range(f"bwd.return.{call.index}"):
             call.grads = stages.return_grads(call.prep, *grads, run.group, async_op=True)
@@ -155,7 +153,7 @@ def interleaved_core_attention(
     """Balanced core attention of nano-batch ``index`` of ``inter``: the three nodes, with a switch to the
     other nano-batch after the first two. q: (T_local, Hq, D); k, v: (T_local, Hkv, D); returns
     (T_local, Hq, D), differentiable w.r.t. q, k, v (and the attention ``sinks``, (Hq,), when given).
-    ``runner``: the call's one-part runner (its group, scale, kernel backend and softcap)."""
+    ``runner``: the call's one-part runner (its group and kernel)."""
     call = _Call(prep, runner, k.dtype, index)
     token = _Dispatch.apply(q, k, v, inter.chain_token(q), call)
     inter.set_chain_token(token)

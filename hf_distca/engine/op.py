@@ -57,14 +57,8 @@ from hf_distca.engine import interleave, stages
 from hf_distca.engine.layer_op import interleaved_core_attention
 from hf_distca.engine.nano import NanoSplit, nano_batches, whole
 from hf_distca.engine.prepare import PreparedAttention, prepare
-from hf_distca.engine.stages import stage_range
-from hf_distca.kernels import (
-    ForwardTensors,
-    VarlenLayout,
-    attention_backward,
-    attention_forward,
-    sinks_backward,
-)
+from hf_distca.engine.stages import Kernel, stage_range
+from hf_distca.kernels import ForwardTensors, VarlenLayout
 
 
 def _wait(exchange) -> torch.Tensor | None:
@@ -89,10 +83,8 @@ class PingPongRunner:
 
     split: NanoSplit
     group: Any
-    scale: float | None
-    backend: str
-    softcap: float | None = None
-    """Attention logit softcapping of the server kernels (None: none)."""
+    kernel: Kernel
+    """How the server kernels run (scale, backend, logit softcap)."""
 
     def _name(self, stage: str, j: int) -> str:
         return stage if len(self.split.parts) == 1 else f"{stage}.{j}"
@@ -138,17 +130,7 @@ class PingPongRunner:
         outs, lses = [], []
 
         def run(j, part, received):
-            out_kernel, lse = stages.compute(
-                part,
-                q,
-                k,
-                v,
-                received,
-                scale=self.scale,
-                backend=self.backend,
-                softcap=self.softcap,
-                sinks=sinks,
-            )
+            out_kernel, lse = stages.compute(part, q, k, v, received, self.kernel, sinks)
             outs.append(out_kernel)
             lses.append(lse)
             return out_kernel
@@ -176,10 +158,8 @@ class PingPongRunner:
         dsinks = []  # per part, this server's share of the sinks' gradient
 
         def run(j, part, received):
-            *grads, dsinks_j = stages.compute_backward(
-                part, q, k, v, out, dout, lses[j], received, scale=self.scale, backend=self.backend,
-                softcap=self.softcap, sinks=sinks,
-            )  # fmt: skip
+            part_fwd = ForwardTensors(q, k, v, out, lses[j])
+            *grads, dsinks_j = stages.compute_backward(part, part_fwd, dout, received, self.kernel, sinks)
             dsinks.append(dsinks_j)
             return grads
 
@@ -208,40 +188,20 @@ class LocalRunner:
     """Causal attention of this process's own sequences (no communication)."""
 
     layout: VarlenLayout
-    scale: float | None
-    backend: str
+    kernel: Kernel
     window: int | None = None
-    softcap: float | None = None
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if q.shape[0]:
             metrics.record_forward_kernel()
-        return attention_forward(
-            q, k, v, *self.layout, scale=self.scale, backend=self.backend, window=self.window,
-            softcap=self.softcap, sinks=sinks,
-        )  # fmt: skip
+        return self.kernel.forward(q, k, v, self.layout, self.window, sinks)
 
     def backward(
         self, fwd: ForwardTensors, dout: torch.Tensor, sinks: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        q, k, v, out, lse = fwd
-        dout = dout.contiguous()
-        grads = attention_backward(
-            dout,
-            q,
-            k,
-            v,
-            out,
-            lse,
-            *self.layout,
-            scale=self.scale,
-            backend=self.backend,
-            window=self.window,
-            softcap=self.softcap,
-        )
-        return *grads, (None if sinks is None else sinks_backward(dout, out, lse, sinks))
+        return self.kernel.backward(fwd, dout.contiguous(), self.layout, self.window, sinks)
 
 
 class _AttentionOp(torch.autograd.Function):
@@ -315,7 +275,7 @@ def core_attention(
     metrics.record_call(prepared.flops_before, prepared.flops_after)
     here = interleave.current()
     if here is not None:  # a nano-batch of an interleaved forward: its exchanges around the other's work
-        runner = PingPongRunner(whole(prepared), group, scale, config.backend, softcap)
+        runner = PingPongRunner(whole(prepared), group, Kernel(scale, config.backend, softcap))
         return interleaved_core_attention(q, k, v, prepared, *here, runner=runner, sinks=sinks)
     runner = engine_runner(
         prepared, group=group, config=config, scale=scale, on_cuda=q.is_cuda, softcap=softcap
@@ -339,7 +299,7 @@ def engine_runner(
         split = nano_batches(prepared, config.shard_tokens, config.ping_pong_split)
     else:
         split = whole(prepared)
-    return PingPongRunner(split, group, scale, config.backend, softcap)
+    return PingPongRunner(split, group, Kernel(scale, config.backend, softcap))
 
 
 def local_attention(
@@ -364,5 +324,5 @@ def local_attention(
     if saved is not None:
         return _replay(q, k, v, saved, sinks)
     layout = VarlenLayout(cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
-    runner = LocalRunner(layout, scale, backend, window, softcap)
+    runner = LocalRunner(layout, Kernel(scale, backend, softcap), window)
     return _AttentionOp.apply(q, k, v, runner, None, sinks)

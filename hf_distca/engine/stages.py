@@ -30,7 +30,13 @@ import torch
 from hf_distca import metrics
 from hf_distca.comm import Exchange, all_to_all_v
 from hf_distca.engine.prepare import PreparedAttention
-from hf_distca.kernels import attention_backward, attention_forward, sinks_backward
+from hf_distca.kernels import (
+    ForwardTensors,
+    VarlenLayout,
+    attention_backward,
+    attention_forward,
+    sinks_backward,
+)
 from hf_distca.planning.traffic import PHASES
 
 FWD_DISPATCH, FWD_RETURN, BWD_DISPATCH, BWD_RETURN = PHASES
@@ -39,6 +45,53 @@ FWD_DISPATCH, FWD_RETURN, BWD_DISPATCH, BWD_RETURN = PHASES
 def stage_range(name: str) -> torch.profiler.record_function:
     """A profiler range ``distca.<name>`` around one stage (a few microseconds when nothing profiles)."""
     return torch.profiler.record_function("distca." + name)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """How one layer's attention kernels run, forward and backward: the softmax ``scale`` (None:
+    head_dim ** -0.5), the kernel ``backend`` and the logit ``softcap`` (None: none)."""
+
+    scale: float | None
+    backend: str
+    softcap: float | None = None
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layout: VarlenLayout,
+        window: int | None,
+        sinks: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out, lse) of :func:`hf_distca.kernels.attention_forward` over ``layout`` (``sinks``: applied)."""
+        return attention_forward(
+            q,
+            k,
+            v,
+            *layout,
+            scale=self.scale,
+            backend=self.backend,
+            window=window,
+            softcap=self.softcap,
+            sinks=sinks,
+        )
+
+    def backward(
+        self,
+        fwd: ForwardTensors,
+        dout: torch.Tensor,
+        layout: VarlenLayout,
+        window: int | None,
+        sinks: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """dq, dk, dv of :func:`hf_distca.kernels.attention_backward` over ``layout`` and, with ``sinks``,
+        the gradient of the sinks from these rows (:func:`hf_distca.kernels.sinks_backward`), else None."""
+        grads = attention_backward(
+            dout, *fwd, *layout, scale=self.scale, backend=self.backend, window=window, softcap=self.softcap
+        )
+        return *grads, (None if sinks is None else sinks_backward(dout, fwd.out, fwd.lse, sinks))
 
 
 Stream = tuple[torch.Tensor, list[int]]  # rows (N, H, D) grouped by destination, rows per destination
@@ -126,10 +179,7 @@ def compute(
     k: torch.Tensor,
     v: torch.Tensor,
     received: torch.Tensor | None,
-    *,
-    scale: float | None,
-    backend: str,
-    softcap: float | None = None,
+    kernel: Kernel,
     sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """This server's fused forward kernel over all its tasks: (out, lse) in kernel row order,
@@ -142,10 +192,7 @@ def compute(
     q_kernel, k_kernel, v_kernel = _kernel_rows([q, k, v], received, [rq, rkv, rkv], [qi, kvi, kvi])
     if q_kernel.shape[0]:
         metrics.record_forward_kernel()
-    return attention_forward(
-        q_kernel, k_kernel, v_kernel, *prep.kernel_seqs(), scale=scale, backend=backend, window=prep.window,
-        softcap=softcap, sinks=sinks,
-    )  # fmt: skip
+    return kernel.forward(q_kernel, k_kernel, v_kernel, prep.kernel_seqs(), prep.window, sinks)
 
 
 def return_outputs(
@@ -199,33 +246,26 @@ def dispatch_backward(
 
 def compute_backward(
     prep: PreparedAttention,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
+    fwd: ForwardTensors,
     dout: torch.Tensor,
-    lse: torch.Tensor,
     received: torch.Tensor | None,
-    *,
-    scale: float | None,
-    backend: str,
-    softcap: float | None = None,
+    kernel: Kernel,
     sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """This server's backward kernel over all its tasks: dq (Tk, Hq, D), dk and dv (Tkv, Hkv, D) in
     kernel row order, and with ``sinks`` this server's share of their gradient (Hq,) (the sum over the
-    rows it computed; the shares of all servers sum to the gradient), else None."""
+    rows it computed; the shares of all servers sum to the gradient), else None. ``fwd``: this rank's q,
+    k, v and output in local row order and the server's log-sum-exp (Tk, Hq) in kernel row order."""
+    q, k, v, out, lse = fwd
     ix, dev = prep.index, prep.device_index(q.device)
     rq, rkv, qi, kvi = ix.recv_q_counts, ix.recv_kv_counts, dev.kernel_q_index, dev.kernel_kv_index
     # (Tk, Hq, D) x 3, (Tkv, Hkv, D) x 2
     q_k, o_k, do_k, k_k, v_k = _kernel_rows(
         [q, out, dout, k, v], received, [rq, rq, rq, rkv, rkv], [qi, qi, qi, kvi, kvi]
     )
-    grads = attention_backward(
-        do_k, q_k, k_k, v_k, o_k, lse, *prep.kernel_seqs(), scale=scale, backend=backend, window=prep.window,
-        softcap=softcap,
-    )  # fmt: skip
-    return *grads, (None if sinks is None else sinks_backward(do_k, o_k, lse, sinks))
+    return kernel.backward(
+        ForwardTensors(q_k, k_k, v_k, o_k, lse), do_k, prep.kernel_seqs(), prep.window, sinks
+    )
 
 
 @dataclass
