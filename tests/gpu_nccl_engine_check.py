@@ -1,14 +1,21 @@
 """The engine's equality test on GPUs over NCCL, bf16 (run with torchrun; not collected by pytest).
 
 Every rank's outputs and q/k/v gradients are compared with the single-process float64 oracle of
-tests/oracle.py on the layout zoo, plus a Llama-3-8B-shaped case (32/8 heads x 128). Exit code 0 only
+tests/oracle.py on the layout zoo, plus a Llama-3-8B-shaped case (32/8 heads x 128), in every schedule:
+serial, and ping-pong with each split (its exchanges in flight while kernels run: a missing wait between
+the communication and the compute streams shows as wrong numbers), ``--repeat`` times. Exit code 0 only
 when every comparison is within the bf16 tolerance.
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 tests/gpu_nccl_engine_check.py
+
+``--backend gloo --one-gpu`` runs every rank on GPU 0 over gloo (CUDA tensors, staged through host memory;
+NCCL refuses two ranks on one GPU): the engine's CUDA schedule with asynchronous exchanges on a machine
+with a single GPU, not NCCL's.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -20,64 +27,110 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from oracle import Layout, named_layouts, oracle_with_grads, random_qkv  # noqa: E402
 from tolerances import TOL  # noqa: E402
 
-from hf_distca import DistCAConfig, core_attention  # noqa: E402
+from hf_distca import DistCAConfig, core_attention, metrics  # noqa: E402
+from hf_distca.config import PING_PONG_SPLITS  # noqa: E402
 
 # bf16 inputs and kernels vs the float64 oracle: max |a - b| <= BF16_TOL * max |b| per tensor.
 BF16_TOL = TOL["gpu_engine"][0]
+DEVICE = torch.device("cuda")  # this rank's device (main sets it)
 
 
-def check(layout: Layout, heads: int, kv_heads: int, dim: int, shard: int, seed: int) -> list[str]:
-    rank = dist.get_rank()
+# (name, DistCAConfig fields) of every schedule checked
+SCHEDULES = [("serial", {"ping_pong": False})] + [
+    (f"ping_pong:{split}", {"ping_pong": True, "ping_pong_split": split}) for split in PING_PONG_SPLITS
+]
+
+
+def case(layout: Layout, heads: int, kv_heads: int, dim: int, shard: int, seed: int) -> dict:
+    """A case: its layout, shard size, bf16 q, k, v and loss weights, and the float64 oracle's outputs and
+    gradients (computed once: every schedule and repeat compares against the same)."""
     q, k, v, w = random_qkv(layout.total, heads, kv_heads, dim, torch.bfloat16, seed)
     ref = oracle_with_grads(q.double(), k.double(), v.double(), w.double(), layout.doc_lens)
+    return {"layout": layout, "shard": shard, "inputs": (q, k, v, w), "ref": ref}
+
+
+def check(layout: Layout, shard: int, inputs: tuple, ref: tuple, schedule: tuple[str, dict]) -> list[str]:
+    rank = dist.get_rank()
+    q, k, v, w = inputs
+    heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]  # q (T, H, D), k (T, H_kv, D)
     # oracle rows are in doc_ids order; map this rank's local tokens to them
     rows = torch.as_tensor(layout.rows(rank))
-    local = [t[rows].cuda().requires_grad_(True) for t in (q, k, v)]
-    out = core_attention(*local, layout.pieces[rank], config=DistCAConfig(shard_tokens=shard))
-    (out.float() * w[rows].cuda().float()).sum().backward()
+    local = [t[rows].to(DEVICE).requires_grad_(True) for t in (q, k, v)]
+    name, fields = schedule
+    out = core_attention(*local, layout.pieces[rank], config=DistCAConfig(shard_tokens=shard, **fields))
+    (out.float() * w[rows].to(DEVICE).float()).sum().backward()
     failures = []
-    for name, got, want in zip(
+    for tensor, got, want in zip(
         ("out", "dq", "dk", "dv"), (out, *(t.grad for t in local)), (r[rows] for r in ref), strict=True
     ):
         if want.numel() == 0:  # a rank without tokens
             continue
         if got is None:
-            failures.append(f"{layout.name} rank {rank} {name}: no gradient")
+            failures.append(f"{name} {layout.name} rank {rank} {tensor}: no gradient")
             continue
         scale = want.abs().max().clamp_min(1e-6)
         err = float((got.double().cpu() - want).abs().max() / scale)
         if not err <= BF16_TOL:
             failures.append(
-                f"{layout.name} H={heads}/{kv_heads} D={dim} rank {rank} {name}: rel err {err:.3e}"
+                f"{name} {layout.name} H={heads}/{kv_heads} D={dim} rank {rank} {tensor}: rel err {err:.3e}"
             )
     return failures
 
 
-def main() -> int:
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl")
-    world = dist.get_world_size()
-    failures, cases = [], 0
-    for layout in named_layouts(world, seed=7):
-        failures += check(layout, 4, 2, 16, shard=16, seed=11)
-        cases += 1
-    big = Layout(
-        "llama3-8b-shape", [0, 1, 2], [3072, 512, 1536], [[(0, 0, 3072)]] + [[] for _ in range(world - 1)]
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--backend", choices=("nccl", "gloo"), default="nccl", help="process group backend")
+    p.add_argument("--one-gpu", action="store_true", help="every rank on GPU 0 (gloo only)")
+    p.add_argument(
+        "--cpu",
+        action="store_true",
+        help="a smoke run on the CPU, without the large case (tests/test_ping_pong.py)",
     )
-    big.pieces[world - 1] += [(1, 0, 512), (2, 0, 1536)]
-    failures += check(big, 32, 8, 128, shard=128, seed=13)
-    cases += 1
-    flag = torch.tensor([len(failures)], device="cuda")
+    p.add_argument("--repeat", type=int, default=3, help="runs of every case and schedule (races are rare)")
+    args = p.parse_args(argv)
+    if (args.one_gpu or args.cpu) and args.backend != "gloo":
+        p.error("--one-gpu and --cpu need --backend gloo: NCCL refuses two ranks on one GPU, and the CPU")
+    global DEVICE
+    if args.cpu:
+        DEVICE = torch.device("cpu")
+    else:
+        DEVICE = torch.device("cuda", 0 if args.one_gpu else int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(DEVICE)
+    if not dist.is_initialized():
+        dist.init_process_group(args.backend)
+    world = dist.get_world_size()
+    cases = [case(layout, 4, 2, 16, 16, 11) for layout in named_layouts(world, seed=7)]
+    if not args.cpu:  # a Llama-3-8B-shaped case (minutes in bf16 on a CPU)
+        big = Layout(
+            "llama3-8b-shape", [0, 1, 2], [3072, 512, 1536], [[(0, 0, 3072)]] + [[] for _ in range(world - 1)]
+        )
+        big.pieces[world - 1] += [(1, 0, 512), (2, 0, 1536)]
+        cases.append(case(big, 32, 8, 128, 128, 13))
+    failures, kernels = [], {}
+    for _ in range(args.repeat):
+        for schedule in SCHEDULES:
+            metrics.reset()
+            for c in cases:
+                failures += check(**c, schedule=schedule)
+            kernels[schedule[0]] = metrics.snapshot().attn_fwd_kernels
+    # ping-pong really split the calls that exchange (two server kernels where serial runs one)
+    failures += [f"{name}: {n} server kernels, serial {kernels['serial']}" for name, n in kernels.items()
+                 if name != "serial" and not n > kernels["serial"]]  # fmt: skip
+    flag = torch.tensor([len(failures)], device=DEVICE)
     dist.all_reduce(flag)
     for f in failures:
         print("FAIL", f, flush=True)
     if dist.get_rank() == 0:
         status = "PASS" if flag.item() == 0 else "FAIL"
-        print(f"gpu_nccl_engine_check: {cases} layouts x {world} ranks, bf16 tolerance {BF16_TOL}: {status}")
-    dist.destroy_process_group()
+        print(
+            f"gpu_nccl_engine_check ({args.backend}{', one GPU' if args.one_gpu else ''}): {len(cases)} layouts x "
+            f"{len(SCHEDULES)} schedules ({', '.join(n for n, _ in SCHEDULES)}) x {args.repeat} runs x {world} "
+            f"ranks, bf16 tolerance {BF16_TOL}; server kernels per run on rank 0: {kernels}: {status}"
+        )
     return 0 if flag.item() == 0 else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    dist.destroy_process_group()
+    sys.exit(code)

@@ -510,6 +510,19 @@ def test_ping_pong_recipe_ddp_matches(tmp_path, flag):
         torch.testing.assert_close(w, weights[off][name], rtol=0, atol=TOL["train_weights"][1])
 
 
+def _gpu_engine_check(rank: int, world: int) -> int:
+    import gpu_nccl_engine_check
+
+    return gpu_nccl_engine_check.main(["--backend", "gloo", "--cpu", "--repeat", "1"])
+
+
+def test_gpu_engine_check_script_on_cpu():
+    """tests/gpu_nccl_engine_check.py, the GPU check of every schedule (serial, ping-pong with each split) in
+    bf16 against the float64 oracle, run as on GPUs but on 2 gloo CPU processes: it passes (exit code 0 on
+    every rank), so the script the GPU runs use cannot rot unseen."""
+    assert run_distributed(_gpu_engine_check, 2) == [0, 0]
+
+
 # ---------------------------------------------------------------------------- the GPU benchmark
 def _bench():
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
