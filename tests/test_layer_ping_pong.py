@@ -206,13 +206,26 @@ def _expected_stages(layers: int) -> tuple[list[str], list[str]]:
     return fwd, bwd
 
 
-def _case(rank: int, world: int) -> dict:
+def _to(batch, device: str):
+    """``batch`` (dicts and lists of tensors and layouts) with its tensors on ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: _to(v, device) for k, v in batch.items()}
+    if isinstance(batch, list | tuple):
+        return type(batch)(_to(v, device) for v in batch)
+    return batch
+
+
+def _case(rank: int, world: int, device: str = "cpu") -> dict:
     from hf_distca.engine import stages
 
-    base = tiny_llama(seed=7)
+    if device == "cuda":
+        torch.cuda.set_device(0)  # every rank on GPU 0
+    base = tiny_llama(seed=7).to(device)
     docs = docs_of(LENGTHS, seed=11)
     loader = DistCABatches(docs, rank=rank, world_size=world, tokens_per_rank=TOKENS_PER_RANK, nano_batches=2)
-    batch = loader.micro_batch(docs)
+    batch = _to(loader.micro_batch(docs), device)
     n_targets = sum(n - 1 for n in LENGTHS)
     config = DistCAConfig(shard_tokens=8, tolerance=0.0, backend="reference", layer_ping_pong=True)
     runs = {}
@@ -234,7 +247,9 @@ def _case(rank: int, world: int) -> dict:
             else:  # the same nano-batches one after the other, through the engine's usual operator
                 loss = sum(model(**nano, num_items_in_batch=n_targets).loss for nano in batch[NANO_BATCHES])
                 loss.backward()
-            runs[(mode, schedule)] = {**summed_over_ranks(model, loss), "log": log}
+            run = summed_over_ranks(model, loss)
+            run["grads"] = {name: g.cpu() for name, g in run["grads"].items()}
+            runs[(mode, schedule)] = {**run, "log": log}
     return runs
 
 
@@ -291,7 +306,12 @@ def _oracle() -> dict:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_layer_ping_pong_exact_and_interleaved(world):
-    results = run_distributed(_case, world, timeout=300)
+    check_exact_and_interleaved(run_distributed(_case, world, timeout=300))
+
+
+def check_exact_and_interleaved(results: list[dict]) -> None:
+    """Every rank's interleaved and serial runs (``_case``) equal the one-process oracle and each other, and
+    the interleaved one ran the engine's stages in the simulator's order."""
     oracle = _oracle()
     fwd, bwd = _expected_stages(LAYERS)
     rtol = TOL["train_loss"][0]
@@ -314,7 +334,17 @@ def test_layer_ping_pong_exact_and_interleaved(world):
                 assert stages[half:] == bwd, (label, stages[half:])
 
 
-# ------------------------------------------------------------------------------------ CUDA (one process)
+# ------------------------------------------------------------------------------------------------- CUDA
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_layer_ping_pong_exact_on_cuda_with_two_ranks_on_one_gpu():
+    """2 gloo processes sharing GPU 0 (CUDA tensors staged through host memory; NCCL refuses two ranks on one
+    GPU): the nano-batches' coroutines with their CUDA streams and asynchronous exchanges give the one-process
+    oracle's loss and gradients and the serial run's, in the simulator's stage order, in every checkpointing
+    mode (fp32)."""
+    check_exact_and_interleaved(run_distributed(_case, 2, "cuda", timeout=300))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_layer_ping_pong_on_cuda_keeps_thread_state():
