@@ -13,7 +13,8 @@ bandwidth per GPU) and prices every rank's work:
   run like exact-unbalanced: DistCA's layout without its planner), ``distca`` (DistCA's default: the
   balanced layout and the real planner, ``hf_distca.plan_core_attention``, ``--tolerance``, default
   DistCAConfig's: 0.1 for it, 0.02 for the planners that price communication; balancing compute only),
-  ``distca-comm`` (the same planner pricing communication on the simulated links: ``DistCAConfig(link_gib_per_s=--inter-node-gibps, ranks_per_node=--gpus-per-node,
+  ``distca-comm`` (the same planner pricing communication on the simulated links:
+  ``DistCAConfig(link_gib_per_s=--inter-node-gibps, ranks_per_node=--gpus-per-node,
   intra_node_gib_per_s=the intra-node all-to-all at 256 MiB per rank)``, see :func:`planner_config`,
   and the layout DistCACallback builds from that config: documents cut inside one node; under layer-level
   ping-pong also ``layer_seconds_per_token``, the simulated non-attention seconds per token per layer: the
@@ -1076,7 +1077,7 @@ def write_report(rows: list[Row], info: dict, args, command: str) -> str:
         "this simulation, against the simulated step of the same system. The plan depends only on the data "
         "(every rank's pieces), the model's shapes and the config, so it could also be made for step N + 1 "
         "while step N trains. benchmarks/results/planner_cpu.md times the planner "
-        "alone (213-333 ms per micro-batch of 65,536 tokens per rank at 512 servers).",
+        "alone (213-333 ms per micro-batch of 65,536 tokens per rank at 512 servers, priced, at tolerance 0.1).",
         "",
         SETTING_COLUMNS + " system | plan s | step s | plan / step |",
         SETTING_ALIGN + "---|---:|---:|---:|",
