@@ -12,8 +12,9 @@ bandwidth per GPU) and prices every rank's work:
   pieces cut over ranks), ``balanced`` (WLB-LLM-style balanced packing, hf_distca.data.layout_balanced,
   run like exact-unbalanced: DistCA's layout without its planner), ``distca`` (DistCA's default: the
   balanced layout and the real planner, ``hf_distca.plan_core_attention``, ``--tolerance``, default
-  0.1, balancing compute only), ``distca-comm`` (the same planner pricing communication on the simulated
-  links: ``DistCAConfig(link_gib_per_s=--inter-node-gibps, ranks_per_node=--gpus-per-node,
+  DistCAConfig's: 0.1 for it, 0.02 for the planners that price communication; balancing compute only),
+  ``distca-comm`` (the same planner pricing communication on the simulated links:
+  ``DistCAConfig(link_gib_per_s=--inter-node-gibps, ranks_per_node=--gpus-per-node,
   intra_node_gib_per_s=the intra-node all-to-all at 256 MiB per rank)``, see :func:`planner_config`,
   and the layout DistCACallback builds from that config: documents cut inside one node; under layer-level
   ping-pong also ``layer_seconds_per_token``, the simulated non-attention seconds per token per layer: the
@@ -99,7 +100,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hf_distca.config import DistCAConfig
+from hf_distca.config import BALANCE_ONLY_TOLERANCE, PRICED_TOLERANCE, DistCAConfig
 from hf_distca.data.baselines import LAYOUTS
 from hf_distca.data.nano import nano_tokens_per_rank, split_documents
 from hf_distca.planning import MeasuredCost, plan_core_attention
@@ -465,7 +466,7 @@ def planner_config(system: System, s: Setting, tolerance: float | None = None) -
     with bf16 32/8 x 128 heads, the shipped hf_distca/cost_tables/h200_bf16_32x8x128_*.json), else causal
     pairs (``cost_table=None``; the whole-document rows are no (q_len, kv_len) table)."""
     fields = {
-        "tolerance": DistCAConfig().tolerance if tolerance is None else tolerance,
+        "tolerance": tolerance,
         "max_planner_moves": DistCAConfig().max_planner_moves if system.balance else 0,
         "cost_table": s.kernels.path,
     }
@@ -871,7 +872,8 @@ def _fmt_bw(gibps: float | None) -> str:
 def system_settings(system: System, info: dict) -> str:
     """The DistCAConfig a DistCA system runs with, in words, saying which settings are not DistCA's
     defaults (the report's headline)."""
-    fields = [f"tolerance {DistCAConfig().tolerance:g} unless --tolerance"]
+    tolerance = PRICED_TOLERANCE if system.comm_aware else BALANCE_ONLY_TOLERANCE
+    fields = [f"tolerance {tolerance:g} (the default for its planner) unless --tolerance"]
     fields.append(
         "cost_table=the kernel table (measured kernel time, as the default 'auto' on an H200)"
         if info["planner_table"]
@@ -899,6 +901,11 @@ def system_settings(system: System, info: dict) -> str:
     if not system.balance:
         fields.append("max_planner_moves=0")
     return "DistCAConfig(" + "; ".join(fields) + ")" if system.disaggregate else "not through DistCA's engine"
+
+
+def _tolerance(args, default: float) -> str:
+    """The tolerance a planner ran with, in words: --tolerance, or its default."""
+    return f"{default:g}, DistCAConfig's default" if args.tolerance is None else f"{args.tolerance:g}"
 
 
 def write_report(rows: list[Row], info: dict, args, command: str) -> str:
@@ -966,7 +973,8 @@ def write_report(rows: list[Row], info: dict, args, command: str) -> str:
         "exact-unbalanced (the token-only rebatcher layout, layout_pieces, DistCA engine with balancing off: "
         "max_planner_moves=0), balanced (WLB-LLM-style balanced packing with per-document context "
         "parallelism, layout_balanced, exact, planner off), distca (DistCA's default: the same balanced "
-        f"layout and the planner, tolerance {args.tolerance:g}, balancing compute only), distca-comm (the "
+        f"layout and the planner, tolerance {_tolerance(args, BALANCE_ONLY_TOLERANCE)}, balancing compute only), "
+        f"distca-comm (tolerance {_tolerance(args, PRICED_TOLERANCE)}, the "
         "same with communication-aware planning: each move priced by the compute time it saves against the "
         "transfer time it adds on the simulated links; its layout cuts documents inside one node), "
         "distca-pingpong and distca-comm-pingpong (those plans run with attention-level ping-pong, "
@@ -1069,7 +1077,7 @@ def write_report(rows: list[Row], info: dict, args, command: str) -> str:
         "this simulation, against the simulated step of the same system. The plan depends only on the data "
         "(every rank's pieces), the model's shapes and the config, so it could also be made for step N + 1 "
         "while step N trains. benchmarks/results/planner_cpu.md times the planner "
-        "alone (213-333 ms per micro-batch of 65,536 tokens per rank at 512 servers).",
+        "alone (213-333 ms per micro-batch of 65,536 tokens per rank at 512 servers, priced, at tolerance 0.1).",
         "",
         SETTING_COLUMNS + " system | plan s | step s | plan / step |",
         SETTING_ALIGN + "---|---:|---:|---:|",
@@ -1187,8 +1195,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tolerance",
         type=float,
-        default=DistCAConfig().tolerance,
-        help="planner tolerance of the distca systems (DistCAConfig.tolerance)",
+        default=None,
+        help="planner tolerance of the distca systems (DistCAConfig.tolerance; default: DistCAConfig's, "
+        f"{BALANCE_ONLY_TOLERANCE:g} balance-only, {PRICED_TOLERANCE:g} when communication is priced)",
     )
     p.add_argument(
         "--headline",

@@ -21,15 +21,26 @@ RUN_ONLY_FIELDS = (
 )
 # DistCAConfig.cost_table's value for "the measured table of this device, dtype, head shape and kernel".
 COST_TABLE_AUTO = "auto"
+BALANCE_ONLY_TOLERANCE = 0.1
+"""DistCAConfig.tolerance None's value when communication is not priced (``link_gib_per_s`` None)."""
+PRICED_TOLERANCE = 0.02
+"""DistCAConfig.tolerance None's value when communication is priced (``link_gib_per_s`` given or measured)."""
 
 
 @dataclass(frozen=True)
 class DistCAConfig:
     """Knobs of the core-attention engine. Every rank must use an identical config."""
 
-    tolerance: float = 0.1
+    tolerance: float | None = None
     """Balance target: planning stops once every server's attention cost (causal (query, key) pairs, or
-    measured seconds with a ``cost_table``) is within (1 + tolerance) x the mean over servers."""
+    measured seconds with a ``cost_table``) is within (1 + tolerance) x the mean over servers. None (the
+    default): ``PRICED_TOLERANCE`` (0.02) when communication is priced (``link_gib_per_s``, given or
+    measured), else ``BALANCE_ONLY_TOLERANCE`` (0.1); see :attr:`balance_tolerance`. The balance-only
+    planner does not price the transfers its moves add, and across nodes its moves beyond 0.1 cost more
+    exposed all-to-all time than they saved in the simulation; the priced planner takes a move only when
+    it saves more than the transfer time it adds, and under layer-level ping-pong each nano-batch is
+    planned on its own, so their residual imbalances add up: at 0.1 they were most of the gap to the
+    ideal on the long-document mix (benchmarks/results/2026-12-02-simulated.md)."""
 
     shard_tokens: int = 128
     """Granularity of task splitting: a split point inside a document sits on a multiple of this
@@ -148,6 +159,14 @@ class DistCAConfig:
     (started with the trainer, or the loader's iteration). Off: each micro-batch is planned at its first
     layer."""
 
+    @property
+    def balance_tolerance(self) -> float:
+        """The tolerance the planner balances to: ``tolerance``, or for None ``PRICED_TOLERANCE`` when
+        communication is priced (``link_gib_per_s`` set) and ``BALANCE_ONLY_TOLERANCE`` otherwise."""
+        if self.tolerance is not None:
+            return self.tolerance
+        return BALANCE_ONLY_TOLERANCE if self.link_gib_per_s is None else PRICED_TOLERANCE
+
     def plan_fields(self) -> tuple[tuple[str, object], ...]:
         """(name, value) of every field that can change the plan (all but ``RUN_ONLY_FIELDS``): what a
         cached plan is keyed by."""
@@ -156,8 +175,8 @@ class DistCAConfig:
         )
 
     def __post_init__(self) -> None:
-        if not (0.0 <= self.tolerance < 10.0):
-            raise ValueError(f"DistCAConfig.tolerance must be in [0, 10), got {self.tolerance!r}")
+        if self.tolerance is not None and not (0.0 <= self.tolerance < 10.0):
+            raise ValueError(f"DistCAConfig.tolerance must be in [0, 10) or None, got {self.tolerance!r}")
         if not isinstance(self.shard_tokens, int) or self.shard_tokens < 1:
             raise ValueError(f"DistCAConfig.shard_tokens must be a positive int, got {self.shard_tokens!r}")
         if self.max_recv_bytes_per_server is not None and self.max_recv_bytes_per_server <= 0:

@@ -808,7 +808,7 @@ def test_package_exports():
     assert hf_distca.distca_attention_forward is distca_attention_forward
     assert hf_distca.enable_distca is enable_distca
     assert {"distca_attention_forward", "enable_distca"} <= set(hf_distca.__all__)
-    assert math.isfinite(DistCAConfig().tolerance)
+    assert math.isfinite(DistCAConfig().balance_tolerance)
 
 
 def _windowed_worker(rank: int, world: int, cases):

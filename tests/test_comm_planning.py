@@ -24,6 +24,7 @@ from test_planner import simulate as simulate_dispatch
 
 from hf_distca import DistCAConfig, plan_core_attention
 from hf_distca.cli import add_config_arguments, config_from_args
+from hf_distca.config import PRICED_TOLERANCE
 from hf_distca.planning import (
     CausalPairsCost,
     LinkModel,
@@ -192,11 +193,11 @@ def test_free_links_give_the_balance_only_plan(layout, config, ranks_per_node):
 
 def test_fast_link_gives_the_balance_only_plan_on_realistic_batches():
     """1,000 long-tailed documents over 32 servers in nodes of 8 at 1e9 GiB/s: the same plan as
-    without pricing (the transfer time is far below the 10% tolerance)."""
+    without pricing at the tolerance the priced planner defaults to (the transfer time is far below it)."""
     rng = np.random.default_rng(7)
     pieces = pack_sequential(long_tailed_lengths(1000, rng), 32)
-    ref = _plan(pieces, DistCAConfig(), q_row=8192, kv_row=4096)
     fast = DistCAConfig(link_gib_per_s=1e9, intra_node_gib_per_s=1e10, ranks_per_node=8)
+    ref = _plan(pieces, DistCAConfig(tolerance=fast.balance_tolerance), q_row=8192, kv_row=4096)
     plan = _plan(pieces, fast, q_row=8192, kv_row=4096)
     assert ref.moves > 10 and plan.digest() == ref.digest()
 
@@ -292,15 +293,15 @@ def test_long_document_stays_in_its_node_when_only_the_inter_node_link_is_slow()
 def test_moves_only_while_they_pay():
     """One 2,048-token document and three short ones on 4 servers; attention ~0.47 s at 1e-3 TFLOP/s,
     a KV prefix ~0.1 s at 1e-3 GiB/s. Sweeping the link from slow to fast, the plan moves nothing, then
-    one shard, two, then balances (as the balance-only plan); it moves work exactly when that lowers the
-    critical path, which then falls as the link gets faster."""
+    one shard, two, then balances (as the balance-only plan at the priced planner's default tolerance); it
+    moves work exactly when that lowers the critical path, which then falls as the link gets faster."""
     layout = Layout(
         "one_long",
         [0, 1, 2, 3],
         [2048, 64, 64, 64],
         [[(0, 0, 2048)], [(1, 0, 64)], [(2, 0, 64)], [(3, 0, 64)]],
     )
-    balance_only = _plan(layout.pieces, DistCAConfig(shard_tokens=16))
+    balance_only = _plan(layout.pieces, DistCAConfig(shard_tokens=16, tolerance=PRICED_TOLERANCE))
     moves, paths = [], []
     for gib in (1e-3, 2e-3, 3e-3, 5e-3, 1e-2, math.inf):
         config = DistCAConfig(shard_tokens=16, link_gib_per_s=gib, attention_tflops=1e-3)
@@ -310,7 +311,7 @@ def test_moves_only_while_they_pay():
         assert (plan.moves > 0) == (plan.critical_path_after < plan.critical_path_before)
         moves.append(plan.moves)
         paths.append(plan.critical_path_after)
-    assert moves == [0, 0, 1, 2, 3, 3] and balance_only.moves == 3
+    assert moves == [0, 0, 1, 2, 4, 4] and balance_only.moves == 4
     assert all(a >= b for a, b in zip(paths, paths[1:]))
 
 
@@ -453,7 +454,8 @@ def test_link_fields_are_recipe_flags():
 
 def test_planning_time_priced_1000_docs_64_servers():
     """The priced planner on the planning-time test's batch over 8 nodes of 8 at 23 GiB/s between
-    nodes: within the same time budget, and its critical path below the balance-only plan's."""
+    nodes: within 5x the same time budget (it prices every move, and its default tolerance balances
+    further than the balance-only planner's), and its critical path below the balance-only plan's."""
     import statistics
     import time
 
@@ -474,7 +476,7 @@ def test_planning_time_priced_1000_docs_64_servers():
         priced = plan(config)
         times.append(time.process_time() - t0)
     limit, _ = TOL["plan_seconds"]
-    assert statistics.median(times) < 4 * limit, times
+    assert statistics.median(times) < 5 * limit, times
     link = link_model_from_config(config, CausalPairsCost(), flops)
     assert priced.critical_path_after < plan_critical_path(plan(DistCAConfig()), link)
     assert priced.critical_path_after < priced.critical_path_before

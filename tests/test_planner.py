@@ -136,7 +136,7 @@ def check_plan(plan, layout: Layout, config: DistCAConfig, cost=None) -> None:
     assert plan.load_after == after
     # the greedy never raises the maximum, and never moves work when already balanced
     assert max(plan.load_after, default=0) <= max(plan.load_before, default=0)
-    if plan.imbalance_before <= 1 + config.tolerance:
+    if plan.imbalance_before <= 1 + config.balance_tolerance:
         assert plan.moves == 0
     if plan.moves == 0:
         assert plan.load_after == plan.load_before or not isinstance(cost, CausalPairsCost)

@@ -396,7 +396,7 @@ class Balancer:
         if len(servers) <= 1 or total <= 0:
             return
         target = total / len(servers)
-        limit = (1.0 + config.tolerance) * target
+        limit = (1.0 + config.balance_tolerance) * target
         if level is not None:
             target, limit = level, max(limit, level)
         while len(self.moves) < config.max_planner_moves:

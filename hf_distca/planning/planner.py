@@ -33,12 +33,15 @@ from hf_distca.planning.tasks import CATask, CorePlan
 from hf_distca.planning.traffic import forward_bytes, plan_traffic
 from hf_distca.planning.window import as_window, attended_pairs
 
-__all__ = ["CATask", "CorePlan", "LEVEL_STEP", "plan_core_attention"]
+__all__ = ["CATask", "CorePlan", "LEVEL_START", "LEVEL_STEP", "plan_core_attention"]
 
 
 LEVEL_STEP = 1.2
 """Ratio between successive balance levels (on Pretrain/ProLong batches at 512 servers, 1.12 found
 critical paths within 2% of 1.2's in 1.3x the time)."""
+LEVEL_START = 1.1
+"""The balance levels tried when transfer time matters are ``LEVEL_START x mean x LEVEL_STEP^j``, j >= 1:
+a fixed grid, whatever the tolerance the greedy balances to."""
 
 
 def plan_core_attention(
@@ -113,13 +116,16 @@ def _plan(
     balance_only.balance()
     plan = _finish(balance_only, before, link, None, unbalanced)
     exposed = plan.critical_path_after - link.critical_path(max(plan.load_after, default=0.0), 0.0)
-    if exposed <= config.tolerance * plan.critical_path_after and plan.critical_path_after <= unbalanced:
+    if (
+        exposed <= config.balance_tolerance * plan.critical_path_after
+        and plan.critical_path_after <= unbalanced
+    ):
         return plan  # communication costs less than the imbalance the tolerance accepts
     # priced greedies, balancing to the mean and then filling destinations up to higher levels (fewer
     # servers per long document, each taking more of it); the lowest critical path wins
     best = min(plan.critical_path_after, unbalanced)
     chosen = None
-    for level in [None, *_levels(before[0], config.tolerance)]:
+    for level in [None, *_levels(before[0])]:
         trial = origin.clone()
         trial.balance(level, give_up_above=best)
         keep = trial.best_prefix()
@@ -175,11 +181,11 @@ def _finish(
     return plan
 
 
-def _levels(loads: Sequence[float], tolerance: float) -> list[float]:
-    """Balance levels above the mean tried when transfer time matters: (1 + tolerance) x mean x
-    LEVEL_STEP^j for j >= 1, below the most loaded server."""
+def _levels(loads: Sequence[float]) -> list[float]:
+    """Balance levels above the mean tried when transfer time matters: LEVEL_START x mean x LEVEL_STEP^j
+    for j >= 1, below the most loaded server."""
     mean = sum(loads) / len(loads)
-    out, level = [], (1.0 + tolerance) * mean * LEVEL_STEP
+    out, level = [], LEVEL_START * mean * LEVEL_STEP
     while level < max(loads):
         out.append(level)
         level *= LEVEL_STEP
