@@ -131,8 +131,8 @@ class DistCAConfig:
     """Split each micro-batch's core attention into two nano-batches whose exchanges run asynchronously
     while the other one's server kernel runs, in forward and backward (same results). True: always (on
     the CPU it runs the same schedule over gloo); None: on for CUDA tensors, off elsewhere; False (the
-    default until its CUDA schedule has been checked and measured on GPUs): never. Only calls whose plan
-    moves rows between ranks are split."""
+    default until its CUDA schedule has been checked over NCCL and measured on 2+ GPUs): never. Only calls
+    whose plan moves rows between ranks are split."""
 
     ping_pong_split: str = "local_first"
     """How ping-pong splits each server's work, one of PING_PONG_SPLITS: 'local_first': the work that
