@@ -173,7 +173,8 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"CPU: {cpu_name()}, Python {platform.python_version()}, numpy {np.__version__}\n\n"
         f"doclens: {len(doclens)} documents (mean {mean_length:.0f}, median {int(np.median(doclens))}, "
-        f"max {max(doclens)}); tolerance {config.balance_tolerance}, shard_tokens {config.shard_tokens}; "
+        f"max {max(doclens)}); tolerance {config.balance_tolerance} (balance-only comparator "
+        f"{balance_only.balance_tolerance}), shard_tokens {config.shard_tokens}; "
         f"bytes per row: Q {q_row}, KV {kv_row}; medians over {args.batches} batches (seed {args.seed}); "
         f"simulated step: {model.layers} layers, {links.gpus_per_node} GPUs per node, "
         f"{links.inter_gibps:g} GiB/s between nodes; planner cost model: {cost!r}"

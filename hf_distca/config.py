@@ -35,12 +35,9 @@ class DistCAConfig:
     """Balance target: planning stops once every server's attention cost (causal (query, key) pairs, or
     measured seconds with a ``cost_table``) is within (1 + tolerance) x the mean over servers. None (the
     default): ``PRICED_TOLERANCE`` (0.02) when communication is priced (``link_gib_per_s``, given or
-    measured), else ``BALANCE_ONLY_TOLERANCE`` (0.1); see :attr:`balance_tolerance`. The balance-only
-    planner does not price the transfers its moves add, and across nodes its moves beyond 0.1 cost more
-    exposed all-to-all time than they saved in the simulation; the priced planner takes a move only when
-    it saves more than the transfer time it adds, and under layer-level ping-pong each nano-batch is
-    planned on its own, so their residual imbalances add up: at 0.1 they were most of the gap to the
-    ideal on the long-document mix (benchmarks/results/2026-12-02-simulated.md)."""
+    measured), else ``BALANCE_ONLY_TOLERANCE`` (0.1); see :attr:`balance_tolerance`. The priced planner
+    takes a move only when it saves more than the transfer time it adds, so it can balance tighter; the
+    balance-only planner prices nothing (why each value: README, "Communication-aware planning")."""
 
     shard_tokens: int = 128
     """Granularity of task splitting: a split point inside a document sits on a multiple of this

@@ -48,7 +48,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def preloaded_context():
-    """Processes forked from a server that imported torch, Transformers, hf_distca and the recipes once (per
+    """Processes forked from a server that imported torch, Transformers, hf_distca and the main recipe once (per
     test process): each rank starts in well under a second instead of importing them again, and the server
     forks before any thread or process group of the tests exists (unlike forking the test process). The
     server starts at the first process and keeps ``sys.path`` as it was then, so the recipes' folder is put
@@ -56,6 +56,7 @@ def preloaded_context():
     recipes = os.path.join(ROOT, "recipes")
     if recipes not in sys.path:
         sys.path.append(recipes)
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")  # read when the server imports huggingface_hub
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(
         ["torch", "torch.distributed", "transformers", "hf_distca", "distributed", "finetune_long_docs"]

@@ -1,4 +1,4 @@
-"""The engine's equality test on GPUs over NCCL, bf16 (run with torchrun; not collected by pytest).
+"""The engine's equality test on GPUs, bf16, over NCCL or gloo (run with torchrun; tests/test_ping_pong.py runs --cpu).
 
 Every rank's outputs and q/k/v gradients are compared with the single-process float64 oracle of
 tests/oracle.py on the layout zoo, plus a Llama-3-8B-shaped case (32/8 heads x 128), in every schedule:
@@ -88,8 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--repeat", type=int, default=3, help="runs of every case and schedule (races are rare)")
     args = p.parse_args(argv)
+    if args.one_gpu and args.cpu:
+        p.error("--one-gpu and --cpu exclude each other")
     if (args.one_gpu or args.cpu) and args.backend != "gloo":
-        p.error("--one-gpu and --cpu need --backend gloo: NCCL refuses two ranks on one GPU, and the CPU")
+        p.error("--one-gpu and --cpu need --backend gloo (NCCL refuses two ranks on one GPU and CPU tensors)")
     global DEVICE
     if args.cpu:
         DEVICE = torch.device("cpu")
@@ -106,16 +108,28 @@ def main(argv: list[str] | None = None) -> int:
         )
         big.pieces[world - 1] += [(1, 0, 512), (2, 0, 1536)]
         cases.append(case(big, 32, 8, 128, 128, 13))
-    failures, kernels = [], {}
+    failures = []
+    kernels = torch.zeros(len(SCHEDULES), len(cases), dtype=torch.long)  # (schedule, case), this rank
+    exchanged = torch.zeros(len(cases), dtype=torch.long)  # bytes the serial schedule sent, per case
     for _ in range(args.repeat):
-        for schedule in SCHEDULES:
-            metrics.reset()
-            for c in cases:
+        for s, schedule in enumerate(SCHEDULES):
+            for i, c in enumerate(cases):
+                metrics.reset()
                 failures += check(**c, schedule=schedule)
-            kernels[schedule[0]] = metrics.snapshot().attn_fwd_kernels
-    # ping-pong really split the calls that exchange (two server kernels where serial runs one)
-    failures += [f"{name}: {n} server kernels, serial {kernels['serial']}" for name, n in kernels.items()
-                 if name != "serial" and not n > kernels["serial"]]  # fmt: skip
+                stats = metrics.snapshot()
+                kernels[s, i] = stats.attn_fwd_kernels
+                if s == 0:
+                    exchanged[i] = stats.bytes_sent
+    # ping-pong really split every case that exchanges: more server kernels over the ranks than serial's
+    counts = torch.cat([kernels.flatten(), exchanged]).to(DEVICE)
+    dist.all_reduce(counts)
+    kernels, exchanged = counts[: kernels.numel()].view(kernels.shape).cpu(), counts[kernels.numel() :].cpu()
+    for s, (name, _) in enumerate(SCHEDULES[1:], start=1):
+        for i, c in enumerate(cases):
+            if exchanged[i] > 0 and not kernels[s, i] > kernels[0, i]:
+                failures.append(
+                    f"{name} {c['layout'].name}: {kernels[s, i]} server kernels, serial {kernels[0, i]}"
+                )
     flag = torch.tensor([len(failures)], device=DEVICE)
     dist.all_reduce(flag)
     for f in failures:
@@ -125,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"gpu_nccl_engine_check ({args.backend}{', one GPU' if args.one_gpu else ''}): {len(cases)} layouts x "
             f"{len(SCHEDULES)} schedules ({', '.join(n for n, _ in SCHEDULES)}) x {args.repeat} runs x {world} "
-            f"ranks, bf16 tolerance {BF16_TOL}; server kernels per run on rank 0: {kernels}: {status}"
+            f"ranks, bf16 tolerance {BF16_TOL}; server kernels over the ranks per schedule: "
+            f"{dict(zip((n for n, _ in SCHEDULES), kernels.sum(1).tolist(), strict=True))}, cases exchanging: "
+            f"{int((exchanged > 0).sum())}: {status}"
         )
     return 0 if flag.item() == 0 else 1
 

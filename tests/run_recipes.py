@@ -10,15 +10,15 @@ test_training.py's demo test runs the README's own ``accelerate launch`` for rea
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
+import signal
 import socket
 import sys
 import time
 
-from distributed import preloaded_context
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from distributed import ROOT, preloaded_context
 
 
 def exact_run_args(max_steps: int, num_documents: int) -> list[str]:
@@ -45,6 +45,7 @@ def _script_module(script: str):
 
 def _rank_main(rank: int, world: int, port: int, runs: list, log_path: str, env: dict[str, str]) -> None:
     """One rank: torchrun's variables, output to ``log_path``, then every run's ``main(argv)`` in turn."""
+    os.setsid()  # its own process group: stopping the launch stops the processes it started too
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
@@ -52,7 +53,7 @@ def _rank_main(rank: int, world: int, port: int, runs: list, log_path: str, env:
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", WORLD_SIZE=str(world),
         LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-        TOKENIZERS_PARALLELISM="false", HF_HUB_DISABLE_TELEMETRY="1",
+        TOKENIZERS_PARALLELISM="false",
     )  # fmt: skip
     import torch
 
@@ -61,9 +62,6 @@ def _rank_main(rank: int, world: int, port: int, runs: list, log_path: str, env:
         code = _script_module(script).main(argv)
         if type(code) is int and code != 0:  # a main that reports failure by its exit status
             sys.exit(code)
-    from hf_distca.engine import prefetch
-
-    prefetch.stop()  # multiprocessing's children end without the exit handlers that would stop it
     _script_module("finetune_long_docs.py").end_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -79,9 +77,12 @@ def launch(
     world: int, runs: list, tmp_path, env: dict[str, str] | None = None, timeout: float = 600
 ) -> list[str]:
     """Run ``runs`` ([script, argv] pairs; script: a file name in recipes/ or a path from the repository
-    root, with a ``main(argv)``) in turn on ``world`` processes; return each rank's output. Fails the
-    calling test with every rank's output when a rank fails or the launch outlives ``timeout`` seconds
-    (the other ranks are stopped a few seconds after one fails, instead of waiting in a collective)."""
+    root, with a ``main(argv)``) in turn on ``world`` processes; return each rank's output. ``env``: more
+    environment variables for the ranks; only those read at run time take effect (the ranks fork from a
+    server that imported torch, Transformers and the recipes already). Fails the calling test with every
+    rank's output when a rank fails or the launch outlives ``timeout`` seconds (the other ranks are
+    stopped a few seconds after one fails, instead of waiting in a collective); whatever ends the launch,
+    its processes and theirs are stopped."""
     tag = f"launch{len(list(tmp_path.glob('launch*-rank0.log')))}"
     logs = [str(tmp_path / f"{tag}-rank{r}.log") for r in range(world)]
     ctx = preloaded_context()
@@ -90,20 +91,23 @@ def launch(
         ctx.Process(target=_rank_main, args=(r, world, port, runs, logs[r], dict(env or {})))
         for r in range(world)
     ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    failed_at = None
-    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-        if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
-            failed_at = time.monotonic()
-        if failed_at is not None and time.monotonic() > failed_at + 10:
-            break
-        time.sleep(0.2)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-        p.join()
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        failed_at = None
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() > failed_at + 10:
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)  # the rank's group: also a planning worker it started
+                p.join()
     outputs = []
     for path in logs:
         with open(path, "a+", errors="replace") as f:  # a rank that died before writing has no log

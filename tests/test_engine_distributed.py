@@ -294,9 +294,9 @@ def _check_attention_case(case: dict, per_rank: list[dict], world: int) -> dict:
         assert nonzero(total.phase_bytes) == phase_counts(ledger, rank, repeat, 1), label
     cfg = case["config"]
     mean = sum(plan.load_before) / world
-    achievable = cfg.shard_tokens * max(layout.doc_lens) < cfg.tolerance * mean  # see test_planner
+    achievable = cfg.shard_tokens * max(layout.doc_lens) < cfg.balance_tolerance * mean  # see test_planner
     if achievable and cfg.link_gib_per_s is None:  # a priced plan balances only as far as it pays
-        assert plan.imbalance_after <= (1 + cfg.tolerance) * (1 + TOL["balance"][0]), label
+        assert plan.imbalance_after <= (1 + cfg.balance_tolerance) * (1 + TOL["balance"][0]), label
     return {"name": case.get("name", layout.name), "moves": plan.moves, "moved": plan.load_after != plan.load_before,
             "achievable": achievable, "bytes": sum(plan.bytes_sent)}  # fmt: skip
 

@@ -667,7 +667,7 @@ def test_planning_time_1000_docs_64_servers():
     rng = np.random.default_rng(1234)
     lens = long_tailed_lengths(1000, rng)
     pieces = pack_sequential(lens, 64)
-    cfg = DistCAConfig()  # tolerance 0.1, shard_tokens 128
+    cfg = DistCAConfig()  # balance-only: tolerance 0.1, shard_tokens 128
     _plan(pieces, cfg, q_row=8192, kv_row=4096)  # warm-up (first call can include a full gc pass)
     times, plan = [], None
     for _ in range(5):

@@ -9,8 +9,10 @@ cut over ranks (and their cross-rank attention) are exercised.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 
 import pytest
@@ -18,6 +20,8 @@ import torch
 from run_recipes import exact_run_args, launch
 from safetensors.torch import load_file
 from tolerances import TOL
+
+from hf_distca.config import BALANCE_ONLY_TOLERANCE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -56,21 +60,29 @@ def test_readme_demo_launch_trains(tmp_path):
     out = tmp_path / "demo"
     script = DEMO_LAUNCH.replace("${OUTPUT_DIR:-outputs/demo}", str(out)).replace('"$@"', "--max-steps 3")
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run(
-        ["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    # a session of its own: on a timeout the launcher, its agent and both ranks are stopped, not just bash
+    proc = subprocess.Popen(
+        ["bash", "-c", script], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        stdout, stderr = proc.communicate(timeout=600)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, f"{stdout[-3000:]}\n{stderr[-6000:]}"
     records, weights = recipe_results(out)
     assert [r["step"] for r in records] == [1, 2, 3] and weights
     # DistCA's layout and planner never leave the attention load worse than token-only packing, within the
-    # planner's tolerance (0.1), and improve on it here
+    # balance-only planner's tolerance, and improve on it here
     after, token_only = (
         [r["imbalance_after"] for r in records],
         [r["imbalance_token_layout"] for r in records],
     )
-    assert all(a <= min(t, 1.1) for a, t in zip(after, token_only)) and after != token_only, records
+    bound = 1 + BALANCE_ONLY_TOLERANCE
+    assert all(a <= min(t, bound) for a, t in zip(after, token_only)) and after != token_only, records
     assert os.path.getsize(out / "attention_load.png") > 1000
-    assert "core-attention imbalance" in proc.stdout
+    assert "core-attention imbalance" in stdout
 
 
 @pytest.mark.slow
@@ -99,7 +111,7 @@ def test_recipe_exact_across_world_sizes(tmp_path):
                 want["loss"],
             )
             assert len(got["attn_flops_after"]) == len(got["bytes_sent"]) == world
-            # balancing never makes the planned max/mean worse, and lands within tolerance (0.1) or improves
+            # balancing never makes the planned max/mean worse, and lands within its tolerance or improves
             assert got["imbalance_after"] <= got["imbalance_before"] + 1e-9
             # total attention work is conserved by planning
             assert sum(got["attn_flops_after"]) == pytest.approx(sum(got["attn_flops_before"]), rel=1e-12)

@@ -38,7 +38,7 @@ TOL = {
     # parameter gradients (sums over hundreds of tokens): rtol 1e-4, and an absolute floor of 1e-5 x the
     # largest |entry| of that reference gradient; fp32 noise measured ~1e-6 x max
     "grads": (1e-4, 1e-5),
-    # ---- training runs (recipes under torchrun, fp32, same global batches)
+    # ---- training runs (recipes on several processes, fp32, same global batches)
     # per-step loss, relative; and final weights, absolute, after 3 SGD steps (weights are O(0.1))
     "train_loss": (1e-5, 0.0),
     "train_weights": (0.0, 1e-5),

@@ -1,6 +1,8 @@
 """Run recipes/sequence_parallel_long_docs.py under another ZeRO stage (tests only: the recipe runs ZeRO-3).
 
 torchrun --nproc-per-node 2 tests/ulysses_zero_stage.py STAGE [recipe flags...]
+
+or ``main([STAGE, *flags])`` on each rank (tests/run_recipes.py's ``launch``).
 """
 
 from __future__ import annotations

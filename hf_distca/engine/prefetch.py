@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import multiprocessing
+import multiprocessing.util
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -76,6 +77,7 @@ _lock = threading.Lock()
 _contexts: OrderedDict[tuple, PlanContext] = OrderedDict()
 _pending: OrderedDict[tuple, Future] = OrderedDict()
 _executor: ProcessPoolExecutor | None = None
+_exit_stop: multiprocessing.util.Finalize | None = None
 _started: Future = Future()
 """Done once the worker process has started and imported the planner (never before a worker exists)."""
 
@@ -159,17 +161,20 @@ def _import() -> None:
 
 def _worker() -> ProcessPoolExecutor:
     """The one background planning process (started at the first prefetch; called under ``_lock``)."""
-    global _executor, _started
+    global _executor, _started, _exit_stop
     if _executor is None:
         _executor = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
         _started = _executor.submit(_import)  # the process starts at the first submission
+        if _exit_stop is None or not _exit_stop.still_active():  # a forked child starts with none registered
+            # stopped before multiprocessing's exit handler joins this process's children (the worker waits
+            # for work until stopped), also in a multiprocessing child, which ends without atexit handlers
+            _exit_stop = multiprocessing.util.Finalize(None, stop, exitpriority=10)
     return _executor
 
 
 def stop() -> None:
     """Stop the background worker, dropping the plans not taken yet (the next prefetch starts a new one).
-    Runs at interpreter exit; a process that ends without it (``os._exit``, as multiprocessing's children
-    do) calls it first, or waits for the worker forever."""
+    Runs at interpreter exit, and at a multiprocessing child's exit before it joins its children."""
     with _lock:
         _shutdown_locked()
 

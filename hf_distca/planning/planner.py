@@ -6,11 +6,11 @@ is ever broadcast. This module decides which candidate plan wins; the greedy tha
 (:mod:`hf_distca.planning.traffic`) and their time from the link model (:mod:`hf_distca.planning.links`).
 
 Without a link bandwidth (``DistCAConfig.link_gib_per_s`` None) the plan is the balance-only greedy's:
-every server within ``tolerance`` of the mean cost. With one, the step's critical path is the slowest
+every server within ``DistCAConfig.balance_tolerance`` of the mean cost. With one, the step's critical path is the slowest
 server's compute plus the exposed time of the engine's all-to-alls, each as long as its slowest rank (under
 layer-level ping-pong with ``DistCAConfig.layer_seconds_per_token``, less the window of the other
 nano-batch's work they fly behind: :func:`~hf_distca.planning.links.hiding_window`). The
-balance-only plan is kept when its transfer time is within ``tolerance`` of its critical path and it is no
+balance-only plan is kept when its transfer time is within ``balance_tolerance`` of its critical path and it is no
 slower than no balancing (so free links, infinite bandwidth or ``comm_overlap`` 1, give exactly the
 balance-only plan). Otherwise priced greedies run: one balances to the mean, others fill destinations up to
 levels above it (fewer servers per long document, each taking more of it); each keeps its moves up to its
