@@ -56,7 +56,9 @@ def main() -> int:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--tolerance", type=float, default=None, help="DistCAConfig.tolerance (default: its default)")
+    p.add_argument(
+        "--tolerance", type=float, default=None, help="DistCAConfig.tolerance (default: its default)"
+    )
     p.add_argument("--out", default=None, help="markdown file for the results table (rank 0 writes it)")
     args = p.parse_args()
     started = init_nccl("bench_engine.py")

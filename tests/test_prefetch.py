@@ -5,8 +5,11 @@ and a measured cost table), and the data path submits each coming micro-batch's 
 from __future__ import annotations
 
 import random
+import time
 
+import pytest
 import torch
+from distributed import run_distributed
 from oracle import scatter
 
 from hf_distca import DistCAConfig, metrics, plan_core_attention
@@ -100,3 +103,17 @@ def test_loader_prefetches_the_next_micro_batch():
         # the first micro-batch is planned before any context exists, the second is submitted before that
         assert s.plans_prefetched == (len(layouts) - 2 if enabled else 0)
     clear_plan_cache()
+
+
+def _fails_with_the_worker_running(rank: int, world: int) -> None:
+    prefetch.start(wait=True)
+    raise RuntimeError("a planned failure with the planning worker running")
+
+
+def test_a_failing_rank_exits_with_its_planning_worker():
+    """A multiprocessing child ends without atexit handlers and joins its children: the worker is stopped
+    first (else the rank waits for it forever and the launch hangs instead of failing)."""
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match="a planned failure"):
+        run_distributed(_fails_with_the_worker_running, 2, timeout=90)
+    assert time.monotonic() - start < 90  # a rank that hung would have been waited for, then killed

@@ -166,9 +166,10 @@ def _worker() -> ProcessPoolExecutor:
         _executor = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
         _started = _executor.submit(_import)  # the process starts at the first submission
         if _exit_stop is None or not _exit_stop.still_active():  # a forked child starts with none registered
-            # stopped before multiprocessing's exit handler joins this process's children (the worker waits
-            # for work until stopped), also in a multiprocessing child, which ends without atexit handlers
-            _exit_stop = multiprocessing.util.Finalize(None, stop, exitpriority=10)
+            # stopped (and waited for) before multiprocessing's exit handler closes the executor's queues (their
+            # finalizers have priority 10) and joins this process's children, also in a multiprocessing child,
+            # which ends without atexit handlers: the worker waits for work until told to stop
+            _exit_stop = multiprocessing.util.Finalize(None, stop, exitpriority=100)
     return _executor
 
 
@@ -183,7 +184,7 @@ def _shutdown_locked() -> None:
     global _executor
     executor, _executor = _executor, None
     if executor is not None:
-        executor.shutdown(wait=False, cancel_futures=True)
+        executor.shutdown(wait=True, cancel_futures=True)  # a plan being made finishes first
 
 
 atexit.register(stop)
