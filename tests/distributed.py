@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 
@@ -14,6 +17,7 @@ import torch.multiprocessing as mp
 
 
 def _worker(rank: int, world: int, init_file: str, out_dir: str, fn, args) -> None:
+    os.setsid()  # a process group of its own: run_processes stops what it starts too
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -64,6 +68,32 @@ def preloaded_context():
     return ctx
 
 
+def run_processes(procs: list, timeout: float, grace: float = 10.0) -> list[bool]:
+    """Start ``procs`` (each calls ``os.setsid()`` first), wait until every one has ended, until ``grace``
+    seconds after one failed (the others may wait for it in a collective) or ``timeout`` seconds in all,
+    then kill each one's process group (also what it started, e.g. a planning worker), whatever ends the
+    wait. Returns, per process, whether it was still running when stopped."""
+    running = [False] * len(procs)
+    try:
+        for p in procs:
+            p.start()
+        deadline, failed_at = time.monotonic() + timeout, None
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() > failed_at + grace:
+                break
+            time.sleep(0.2)
+    finally:
+        for i, p in enumerate(procs):
+            if p.pid is not None:
+                running[i] = p.is_alive()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.join()
+    return running
+
+
 def run_distributed(fn, world: int, *args, timeout: float = 300.0) -> list:
     """Call ``fn(rank, world, *args)`` on ``world`` processes; return the per-rank results.
 
@@ -76,21 +106,13 @@ def run_distributed(fn, world: int, *args, timeout: float = 300.0) -> list:
             ctx.Process(target=_worker, args=(r, world, init_file, tmp, fn, args), daemon=False)
             for r in range(world)
         ]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout)
-        alive = [p for p in procs if p.is_alive()]
-        for p in alive:
-            p.kill()
+        hung = run_processes(procs, timeout)
         results = []
         errors = []
         for r in range(world):
             path = os.path.join(tmp, f"{r}.pt")
             if not os.path.exists(path):
-                errors.append(
-                    f"rank {r}: no result (exit code {procs[r].exitcode}, hung={procs[r] in alive})"
-                )
+                errors.append(f"rank {r}: no result (exit code {procs[r].exitcode}, hung={hung[r]})")
                 continue
             data = torch.load(path, weights_only=False)
             if data["ok"]:

@@ -10,15 +10,13 @@ test_training.py's demo test runs the README's own ``accelerate launch`` for rea
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import os
-import signal
 import socket
 import sys
-import time
+from pathlib import Path
 
-from distributed import ROOT, preloaded_context
+from distributed import ROOT, preloaded_context, run_processes
 
 
 def exact_run_args(max_steps: int, num_documents: int) -> list[str]:
@@ -45,7 +43,7 @@ def _script_module(script: str):
 
 def _rank_main(rank: int, world: int, port: int, runs: list, log_path: str, env: dict[str, str]) -> None:
     """One rank: torchrun's variables, output to ``log_path``, then every run's ``main(argv)`` in turn."""
-    os.setsid()  # its own process group: stopping the launch stops the processes it started too
+    os.setsid()  # a process group of its own: run_processes stops what it starts too
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
@@ -63,8 +61,6 @@ def _rank_main(rank: int, world: int, port: int, runs: list, log_path: str, env:
         if type(code) is int and code != 0:  # a main that reports failure by its exit status
             sys.exit(code)
     _script_module("finetune_long_docs.py").end_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
 
 
 def _free_port() -> int:
@@ -91,28 +87,9 @@ def launch(
         ctx.Process(target=_rank_main, args=(r, world, port, runs, logs[r], dict(env or {})))
         for r in range(world)
     ]
-    try:
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        failed_at = None
-        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-            if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
-                failed_at = time.monotonic()
-            if failed_at is not None and time.monotonic() > failed_at + 10:
-                break
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.pid is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)  # the rank's group: also a planning worker it started
-                p.join()
-    outputs = []
-    for path in logs:
-        with open(path, "a+", errors="replace") as f:  # a rank that died before writing has no log
-            f.seek(0)
-            outputs.append(f.read())
+    run_processes(procs, timeout)
+    # a rank that died before opening its log has none
+    outputs = [Path(path).read_text(errors="replace") if os.path.exists(path) else "" for path in logs]
     if any(p.exitcode != 0 for p in procs):
         report = "\n".join(
             f"--- rank {r} (exit code {p.exitcode}):\n{outputs[r][-6000:]}" for r, p in enumerate(procs)
