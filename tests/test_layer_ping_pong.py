@@ -22,6 +22,7 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
+from accelerate.utils import send_to_device
 from distributed import run_distributed
 from test_engine_remat import (
     LAYERS,
@@ -206,17 +207,6 @@ def _expected_stages(layers: int) -> tuple[list[str], list[str]]:
     return fwd, bwd
 
 
-def _to(batch, device: str):
-    """``batch`` (dicts and lists of tensors and layouts) with its tensors on ``device``."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, dict):
-        return {k: _to(v, device) for k, v in batch.items()}
-    if isinstance(batch, list | tuple):
-        return type(batch)(_to(v, device) for v in batch)
-    return batch
-
-
 def _case(rank: int, world: int, device: str = "cpu") -> dict:
     from hf_distca.engine import stages
 
@@ -225,7 +215,7 @@ def _case(rank: int, world: int, device: str = "cpu") -> dict:
     base = tiny_llama(seed=7).to(device)
     docs = docs_of(LENGTHS, seed=11)
     loader = DistCABatches(docs, rank=rank, world_size=world, tokens_per_rank=TOKENS_PER_RANK, nano_batches=2)
-    batch = _to(loader.micro_batch(docs), device)
+    batch = send_to_device(loader.micro_batch(docs), device)
     n_targets = sum(n - 1 for n in LENGTHS)
     config = DistCAConfig(shard_tokens=8, tolerance=0.0, backend="reference", layer_ping_pong=True)
     runs = {}
