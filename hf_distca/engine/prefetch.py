@@ -12,7 +12,6 @@ which collectives run.
 
 from __future__ import annotations
 
-import atexit
 import multiprocessing
 import multiprocessing.util
 import threading
@@ -77,7 +76,6 @@ _lock = threading.Lock()
 _contexts: OrderedDict[tuple, PlanContext] = OrderedDict()
 _pending: OrderedDict[tuple, Future] = OrderedDict()
 _executor: ProcessPoolExecutor | None = None
-_exit_stop: multiprocessing.util.Finalize | None = None
 _started: Future = Future()
 """Done once the worker process has started and imported the planner (never before a worker exists)."""
 
@@ -161,21 +159,20 @@ def _import() -> None:
 
 def _worker() -> ProcessPoolExecutor:
     """The one background planning process (started at the first prefetch; called under ``_lock``)."""
-    global _executor, _started, _exit_stop
+    global _executor, _started
     if _executor is None:
         _executor = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
         _started = _executor.submit(_import)  # the process starts at the first submission
-        if _exit_stop is None or not _exit_stop.still_active():  # a forked child starts with none registered
-            # stopped (and waited for) before multiprocessing's exit handler closes the executor's queues (their
-            # finalizers have priority 10) and joins this process's children, also in a multiprocessing child,
-            # which ends without atexit handlers: the worker waits for work until told to stop
-            _exit_stop = multiprocessing.util.Finalize(None, stop, exitpriority=100)
+        # multiprocessing's exit handler (at interpreter exit, and at the end of a multiprocessing child,
+        # which skips atexit) runs this before it closes the executor's queues (finalizers of priority 10)
+        # and joins this process's children: the worker waits for work until told to stop
+        multiprocessing.util.Finalize(None, stop, exitpriority=100)
     return _executor
 
 
 def stop() -> None:
     """Stop the background worker, dropping the plans not taken yet (the next prefetch starts a new one).
-    Runs at interpreter exit, and at a multiprocessing child's exit before it joins its children."""
+    Runs at the exit of a process that started one (a multiprocessing child's too)."""
     with _lock:
         _shutdown_locked()
 
@@ -185,6 +182,3 @@ def _shutdown_locked() -> None:
     executor, _executor = _executor, None
     if executor is not None:
         executor.shutdown(wait=True, cancel_futures=True)  # a plan being made finishes first
-
-
-atexit.register(stop)
