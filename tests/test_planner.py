@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import copy
 import random
-import statistics
-import time
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from oracle import TOL, Layout, long_tailed_lengths, pack_sequential, scatter
+from oracle import TOL, Layout, pack_sequential, scatter
 
 from hf_distca import DistCAConfig, Piece, PieceError, calibrate, plan_core_attention
 from hf_distca.planning import (
@@ -659,25 +657,6 @@ def test_calibrate_command_end_to_end_on_cpu(tmp_path):
     assert plan.moves > 0 and plan.imbalance_after < plan.imbalance_before
     with pytest.raises(SystemExit):
         calibrate.parse_args(["--out", str(out), "--heads", "3", "--kv-heads", "2"])
-
-
-# ----------------------------------------------------------------------------------------- performance
-def test_planning_time_1000_docs_64_servers():
-    """1,000 long-tailed documents (log-normal, median 1,500, clipped to 128K) packed over 64 servers."""
-    rng = np.random.default_rng(1234)
-    lens = long_tailed_lengths(1000, rng)
-    pieces = pack_sequential(lens, 64)
-    cfg = DistCAConfig()  # balance-only: tolerance 0.1, shard_tokens 128
-    _plan(pieces, cfg, q_row=8192, kv_row=4096)  # warm-up (first call can include a full gc pass)
-    times, plan = [], None
-    for _ in range(5):
-        t0 = time.process_time()  # CPU seconds: other processes' load does not count
-        plan = _plan(pieces, cfg, q_row=8192, kv_row=4096)
-        times.append(time.process_time() - t0)
-    limit, _ = TOL["plan_seconds"]
-    assert statistics.median(times) < limit, times
-    assert plan.imbalance_before > 2.0 and plan.imbalance_after <= 1.1 * (1 + TOL["balance"][0])
-    assert plan.moves > 0
 
 
 def test_window_prices_and_balances_windowed_pairs_and_sends_only_the_window():
