@@ -7,9 +7,11 @@ own placement rule, on hand-computed cases. Exact integer bookkeeping: no tolera
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from oracle import long_tailed_lengths
 from test_data import PROPERTY, causal_work, check_layout, micro_batches
 
 from hf_distca.data.baselines import LAYOUTS, balanced_layout, hf_default_layout
@@ -66,6 +68,31 @@ def test_balanced_splits_a_document_whose_attention_exceeds_a_fair_share():
     assert len({causal_work(rank) for rank in long_pieces}) == 1
     # whole short documents fill the rest: every rank holds 4 of them
     assert [len([p for p in rank if 0 < p.doc_id < 17]) for rank in got] == [4] * 4
+
+
+def test_balanced_layout_of_a_full_micro_batch_balances_attention_alone():
+    """When the documents fill every rank's budget, every rank ends with the same tokens, so the per-token
+    term cannot tell ranks apart: the layout is the one that balances attention pairs alone, and its
+    busiest rank stays near the mean (a rank holding few tokens so far is not cheaper: it must still be
+    filled). Long-tailed documents, 32 ranks x 4096."""
+    world, tokens = 32, 4096
+    lengths, total = [], 0
+    for n in long_tailed_lengths(2000, np.random.default_rng(0)):
+        n = min(int(n), world * tokens - total)
+        if n == 0:
+            break
+        lengths.append(n)
+        total += n
+    assert total == world * tokens and max(lengths) > 2 * tokens
+    got = balanced_layout(lengths, world_size=world, tokens_per_rank=tokens)
+    assert got == balanced_layout(
+        lengths, world_size=world, tokens_per_rank=tokens, linear_pairs_per_token=0.0
+    )
+    pairs = [
+        sum(causal_pairs(p.doc_start, p.doc_start + p.length) for p in rank)
+        for rank in real(got, len(lengths))
+    ]
+    assert max(pairs) <= 1.12 * (sum(pairs) / world), max(pairs) / (sum(pairs) / world)  # 1.10 (1.20 before)
 
 
 def test_balanced_places_whole_documents_on_the_cheapest_rank():

@@ -182,9 +182,11 @@ def layout_balanced(
 ) -> list[tuple[Piece, ...]]:
     """Balanced packing with per-document context parallelism (WLB-LLM style).
 
-    Estimated cost of a piece ``[a, b)`` of a document: ``linear_pairs_per_token x (b - a)`` plus its
-    causal (query, key) pairs with full context, ``causal_pairs(a, b)``. Documents are taken by
-    decreasing cost (ties: lower index first).
+    Estimated cost of a rank: its causal (query, key) pairs with full context (``causal_pairs(a, b)`` per
+    piece ``[a, b)``) plus ``linear_pairs_per_token`` per token, counting at least the mean tokens per
+    rank of the micro-batch: every rank ends up with about that many (all of them when the micro-batch
+    fills the budget), so a rank that holds fewer tokens so far is not cheaper for it; only tokens above
+    the mean add cost. Documents are taken longest first (ties: lower index first).
 
     - A document is split over ``k = max(ceil(length / tokens_per_rank), ceil(pairs / fair))`` ranks
       (at most ``world_size``), ``fair`` being the micro-batch's attention pairs over ``world_size``:
@@ -209,13 +211,20 @@ def layout_balanced(
     if not linear_pairs_per_token >= 0:
         raise ValueError(f"linear_pairs_per_token must be >= 0, got {linear_pairs_per_token!r}")
 
-    def cost(a: int, b: int) -> float:
-        return linear_pairs_per_token * (b - a) + causal_pairs(a, b)
-
     fair = sum(causal_pairs(0, n) for n in lengths) / world_size
+    mean_tokens = sum(lengths) / world_size
     placed: list[list[Piece]] = [[] for _ in range(world_size)]
     free = [tokens_per_rank] * world_size
-    load = [0.0] * world_size
+    pairs = [0] * world_size
+    load = [linear_pairs_per_token * mean_tokens] * world_size  # estimated cost: see the docstring
+
+    def add(rank: int, doc: int, doc_start: int, n: int) -> None:
+        placed[rank].append(Piece(doc, doc_start, n))
+        free[rank] -= n
+        pairs[rank] += causal_pairs(doc_start, doc_start + n)
+        tokens = max(tokens_per_rank - free[rank], mean_tokens)
+        load[rank] = linear_pairs_per_token * tokens + pairs[rank]
+
     for doc in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         length = lengths[doc]
         if length == 0:
@@ -226,10 +235,7 @@ def layout_balanced(
         if k == 1:
             fits = [r for r in range(world_size) if free[r] >= length]
             if fits:
-                rank = min(fits, key=lambda r: (load[r], -free[r], r))
-                placed[rank].append(Piece(doc, 0, length))
-                free[rank] -= length
-                load[rank] += cost(0, length)
+                add(min(fits, key=lambda r: (load[r], -free[r], r)), doc, 0, length)
                 continue
             k = 2  # no rank has room for it whole
         by_load = sorted((r for r in range(world_size) if free[r] > 0), key=lambda r: (load[r], -free[r], r))
@@ -242,9 +248,7 @@ def layout_balanced(
             ranks.append(r)
         shares = _water_fill([free[r] for r in ranks], length)
         for rank, doc_start, n in _zigzag(ranks, shares, min_piece_tokens):
-            placed[rank].append(Piece(doc, doc_start, n))
-            free[rank] -= n
-            load[rank] += cost(doc_start, doc_start + n)
+            add(rank, doc, doc_start, n)
     return _finish(placed, free, len(lengths))
 
 
