@@ -17,8 +17,9 @@ bandwidth per GPU) and prices every rank's work:
   ``DistCAConfig(link_gib_per_s=--inter-node-gibps, ranks_per_node=--gpus-per-node,
   intra_node_gib_per_s=the intra-node all-to-all at 256 MiB per rank)``, see :func:`planner_config`,
   and the layout DistCACallback builds from that config: documents cut inside one node; under layer-level
-  ping-pong also ``layer_seconds_per_token``, the simulated non-attention seconds per token per layer: the
-  planner prices transfers as hidden behind the other nano-batch's layers),
+  ping-pong also ``layer_ping_pong=True`` with ``layer_seconds_per_token`` derived as
+  :func:`hf_distca.enable_distca` derives it, from the layer's weights at the default ``layer_tflops``:
+  the planner prices transfers as hidden behind the other nano-batch's layers),
   ``distca-pingpong`` / ``distca-comm-pingpong`` (those plans under attention-level ping-pong,
   ``DistCAConfig(ping_pong=True)``: the engine's nano-batches inside each attention call,
   hf_distca.planning.nano) and ``distca-layers`` / ``distca-comm-layers`` (layer-level ping-pong: the
@@ -106,7 +107,7 @@ from hf_distca.data.nano import nano_tokens_per_rank, split_documents
 from hf_distca.planning import MeasuredCost, plan_core_attention
 from hf_distca.planning import schedule as schedule_ops
 from hf_distca.planning.cost import causal_pairs, cost_model_from_config
-from hf_distca.planning.links import LAYER_FORWARD_SHARE, attention_flops_per_pair
+from hf_distca.planning.links import LAYER_FORWARD_SHARE, attention_flops_per_pair, layer_seconds_per_token
 from hf_distca.planning.nano import nano_plans
 from hf_distca.planning.traffic import (
     INTER,
@@ -192,8 +193,8 @@ class System:
     """The planner's shard granularity (None: DistCAConfig's)."""
     hide_window: bool = True
     """With ``comm_aware`` and the 'layers' schedule: the planner prices transfers as hidden behind the
-    other nano-batch's layers (``DistCAConfig(layer_ping_pong=True, layer_seconds_per_token=`` the
-    simulated non-attention seconds per token per layer``)``); False: every transfer exposed."""
+    other nano-batch's layers (``DistCAConfig(layer_ping_pong=True)``, ``layer_seconds_per_token``
+    derived from the layer's weights as enable_distca does); False: every transfer exposed."""
 
 
 SYSTEM_SPECS = {
@@ -245,11 +246,16 @@ class ModelShape:
         return 2 * self.kv_heads * self.head_dim * self.bytes_per_element
 
     @property
+    def layer_weights(self) -> int:
+        """Weights of one decoder layer's matmuls: attention projections and MLP (as
+        hf_distca.attention.decoder_layer_weights counts them on a model)."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return self.hidden * (2 * q + 2 * kv) + 3 * self.hidden * self.intermediate
+
+    @property
     def matmul_params(self) -> int:
         """Weights multiplied per token: attention projections, MLP, LM head (not the embedding lookup)."""
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        per_layer = self.hidden * (2 * q + 2 * kv) + 3 * self.hidden * self.intermediate
-        return self.layers * per_layer + self.hidden * self.vocab
+        return self.layers * self.layer_weights + self.hidden * self.vocab
 
     def model_flops(self, doc_lengths: Sequence[int]) -> float:
         """Forward+backward model FLOPs of these documents (causal attention counted exactly)."""
@@ -479,8 +485,10 @@ def planner_config(system: System, s: Setting, tolerance: float | None = None) -
             intra_node_gib_per_s=s.links.intra_gibps_at(PLANNER_INTRA_BYTES),
         )
         if system.schedule == "layers" and system.hide_window:
-            # what the other nano-batch's layers hide: the simulated non-attention seconds per token
-            fields.update(layer_ping_pong=True, layer_seconds_per_token=s.linear.per_token_layer)
+            # what the other nano-batch's layers hide, as enable_distca derives it from the model's layer
+            # weights at the default layer_tflops
+            per_token = layer_seconds_per_token(s.model.layer_weights, DistCAConfig().layer_tflops)
+            fields.update(layer_ping_pong=True, layer_seconds_per_token=per_token)
     return DistCAConfig(**fields)
 
 
@@ -893,8 +901,9 @@ def system_settings(system: System, info: dict) -> str:
         )
         if system.comm_aware and system.hide_window:
             fields.append(
-                "layer_seconds_per_token=the simulated non-attention seconds per token per layer (each phase "
-                "priced as exposed only beyond the other nano-batch's work it flies behind)"
+                "layer_seconds_per_token None, derived as enable_distca does from the layer's weights at the "
+                "default layer_tflops (each phase priced as exposed only beyond the other nano-batch's work it "
+                "flies behind)"
             )
     if system.shard_tokens is not None:
         fields.append(f"shard_tokens={system.shard_tokens}")
@@ -964,7 +973,9 @@ def write_report(rows: list[Row], info: dict, args, command: str) -> str:
         "- distca-comm's planner: DistCAConfig(link_gib_per_s=the inter-node figure, ranks_per_node="
         f"{args.gpus_per_node}, intra_node_gib_per_s=the intra-node all-to-all at 256 MiB per rank), "
         "comm_overlap=0; for distca-comm-layers also layer_ping_pong=True, layer_seconds_per_token="
-        f"{linear.per_token_layer:.3g} (the non-attention seconds per token per layer above): transfers "
+        f"{layer_seconds_per_token(model.layer_weights, DistCAConfig().layer_tflops):.4g} (derived as "
+        "enable_distca derives it: the layer's weights at the default layer_tflops; the simulated "
+        f"non-attention work above is {linear.per_token_layer:.4g}): transfers "
         "priced as hidden behind the other nano-batch's layer work and kernels (hf_distca.planning.links."
         "hiding_window; distca-comm-layers-exposed: without it)",
         "",

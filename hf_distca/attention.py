@@ -23,6 +23,8 @@ This is glue only: no policy lives here. Features the kernels cannot compute exa
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -45,6 +47,7 @@ from hf_distca.packing import (
     scatter_rows,
     unpad,
 )
+from hf_distca.planning.links import layer_seconds_per_token
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -98,8 +101,17 @@ def enable_distca(
     after this call (only the runtime's ``config.backend`` applies). Every submodule gets it (not only the attention
     layers) so models whose attention classes follow no naming convention work too. Calling it again
     replaces the runtime. The model must use ``attn_implementation="distca"``.
+
+    Under ``config.layer_ping_pong`` with ``layer_seconds_per_token`` None, the runtime's config gets it
+    derived from the model's decoder layer (:func:`decoder_layer_weights`) at ``config.layer_tflops``.
     """
-    runtime = DistCARuntime(group=group, config=config if config is not None else DistCAConfig())
+    config = config if config is not None else DistCAConfig()
+    if config.layer_ping_pong and config.layer_seconds_per_token is None:
+        weights = decoder_layer_weights(model)
+        if weights is not None:
+            seconds = layer_seconds_per_token(weights, config.layer_tflops)
+            config = dataclasses.replace(config, layer_seconds_per_token=seconds)
+    runtime = DistCARuntime(group=group, config=config)
     for module in model.modules():
         setattr(module, RUNTIME_ATTR, runtime)
     impl = getattr(getattr(model, "config", None), "_attn_implementation", ATTN_IMPLEMENTATION)
@@ -110,6 +122,20 @@ def enable_distca(
             stacklevel=2,
         )
     return runtime
+
+
+def decoder_layer_weights(model: torch.nn.Module) -> int | None:
+    """Weights of the matmuls (2-D parameters: projections, MLP) of ``model``'s first decoder layer, the
+    first module list as long as ``config.num_hidden_layers``; None when there is none. Counts full shapes
+    of parameters sharded by FSDP2 (DTensor) or partitioned by ZeRO-3 (``ds_shape``)."""
+    layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    if not layers:
+        return None
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == layers:
+            shapes = [getattr(p, "ds_shape", p.shape) for p in module[0].parameters()]
+            return sum(math.prod(shape) for shape in shapes if len(shape) == 2)
+    return None
 
 
 # --------------------------------------------------------------------------------------------------

@@ -97,8 +97,19 @@ class DistCAConfig:
     core-attention seconds per server (the other nano-batch's work, taken equal to this one's: the split,
     :func:`hf_distca.data.nano.split_documents`, gives them about equal estimated cost); see
     :func:`hf_distca.planning.links.hiding_window`. On an H200 with a Llama-3-8B-shaped layer
-    (hidden 4096, MLP 14336) ~4e-6 (benchmarks/simulate.py's fit of DESIGN.md's measurements). None:
-    every transfer exposed (times ``1 - comm_overlap``)."""
+    (hidden 4096, MLP 14336) ~4e-6 (benchmarks/simulate.py's fit of DESIGN.md's measurements). None
+    (the default): :func:`hf_distca.enable_distca` (which ``DistCACallback`` calls) derives it from the
+    model's decoder layer, its weights at ``layer_tflops``
+    (:func:`hf_distca.planning.links.layer_seconds_per_token`), when ``layer_ping_pong`` is on; left
+    None (a model whose decoder layers it cannot find), every transfer is priced exposed (times
+    ``1 - comm_overlap``)."""
+
+    layer_tflops: float = 440.0
+    """Throughput in TFLOP/s of a decoder layer's matmuls (forward, recompute and backward) from which
+    ``layer_seconds_per_token`` is derived when it is None: 440 is an H200 in bf16, the fit of DESIGN.md's
+    measurements of a Llama-3-8B-shaped layer (3.96 us per token). Counts every weight of the layer, so a
+    mixture-of-experts layer (all experts counted, a few run per token) is overestimated: give
+    ``layer_seconds_per_token`` there."""
 
     attention_tflops: float = 300.0
     """Forward+backward core-attention throughput in TFLOP/s that turns causal (query, key) pairs into
@@ -224,10 +235,10 @@ class DistCAConfig:
                     "DistCAConfig.layer_seconds_per_token prices the exchanges that layer-level ping-pong hides: "
                     "set layer_ping_pong=True with it, or leave it None"
                 )
-        if not (0.0 < self.attention_tflops < float("inf")):
-            raise ValueError(
-                f"DistCAConfig.attention_tflops must be a positive finite number, got {self.attention_tflops!r}"
-            )
+        for name in ("attention_tflops", "layer_tflops"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and 0.0 < value < float("inf")):
+                raise ValueError(f"DistCAConfig.{name} must be a positive finite number, got {value!r}")
         if self.max_send_bytes_per_rank is not None and self.max_send_bytes_per_rank <= 0:
             raise ValueError(
                 f"DistCAConfig.max_send_bytes_per_rank must be positive or None, got {self.max_send_bytes_per_rank!r}"

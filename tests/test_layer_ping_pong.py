@@ -38,6 +38,7 @@ from tolerances import TOL
 from transformers import DataCollatorWithFlattening
 
 from hf_distca import DistCAConfig, enable_distca, metrics, nano_batch_loss
+from hf_distca.attention import decoder_layer_weights
 from hf_distca.data import DistCABatches
 from hf_distca.data.nano import NANO_BATCHES, nano_tokens_per_rank, split_documents
 from hf_distca.engine import interleave
@@ -49,6 +50,25 @@ TOKENS_PER_RANK = 256
 
 
 # ------------------------------------------------------------------------------------ the split
+def test_enable_distca_derives_the_layer_seconds_from_the_decoder_layer():
+    """Under layer_ping_pong with layer_seconds_per_token None, the runtime's config gets it from the first
+    decoder layer's matmul weights (q, k, v, o, gate, up, down: counted by hand here) at layer_tflops; a
+    given value is kept, and without layer_ping_pong nothing is derived."""
+    model = tiny_llama()
+    cfg = model.config
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    weights = cfg.hidden_size * (2 * q + 2 * kv) + 3 * cfg.hidden_size * cfg.intermediate_size
+    assert decoder_layer_weights(model) == weights
+    runtime = enable_distca(model, config=DistCAConfig(layer_ping_pong=True, layer_tflops=100.0))
+    assert runtime.config.layer_seconds_per_token == pytest.approx(4 * 2 * weights / 100e12, rel=1e-12)
+    given = DistCAConfig(layer_ping_pong=True, layer_seconds_per_token=1e-6)
+    assert enable_distca(model, config=given).config == given
+    assert enable_distca(model, config=DistCAConfig()).config == DistCAConfig()
+    assert decoder_layer_weights(torch.nn.Linear(2, 2)) is None  # no decoder layers: left None
+    with pytest.raises(ValueError, match="layer_tflops must be a positive finite number"):
+        DistCAConfig(layer_tflops=0.0)
+
+
 def test_split_documents_whole_and_even_cost():
     groups = split_documents([150, 40, 25, 9, 31, 60], 2)
     assert groups == [[0, 3], [1, 2, 4, 5]]  # 159 and 156 tokens: short documents cost about their tokens

@@ -17,10 +17,12 @@ import sys
 import numpy as np
 import pytest
 
+from hf_distca.config import DistCAConfig
 from hf_distca.data import DistCABatches, layout_pieces
 from hf_distca.data.nano import nano_tokens_per_rank, split_documents
 from hf_distca.planning import MeasuredCost, plan_core_attention
 from hf_distca.planning.cost import causal_pairs
+from hf_distca.planning.links import layer_seconds_per_token
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -130,6 +132,19 @@ def test_model_flops_of_llama3_8b_shape():
         0, 1000
     )
     assert (model.q_row_bytes, model.kv_row_bytes) == (8192, 4096)
+
+
+def test_layer_seconds_derived_from_weights_match_the_linear_fit():
+    """What enable_distca derives for layer-level ping-pong's hiding window (the layer's weights at the
+    default layer_tflops) is, for the Llama-3-8B shape on an H200, the non-attention seconds per token per
+    layer fitted to DESIGN.md's measurements, within 1%; the simulator's planner uses the derived value."""
+    model = sim.ModelShape()
+    derived = layer_seconds_per_token(model.layer_weights, DistCAConfig().layer_tflops)
+    assert derived == pytest.approx(sim.LinearCost.from_measurements().per_token_layer, rel=0.01)
+    setting = sim.Setting(64, 32768, model, sim.KernelTable.from_kernel_rows(), sim.Links(8, sim.NVLINK_ALL_TO_ALL, 23.3),
+                          sim.LinearCost.from_measurements())  # fmt: skip
+    config = sim.planner_config(sim.SYSTEM_SPECS["distca-comm-layers"], setting)
+    assert config.layer_ping_pong and config.layer_seconds_per_token == derived
 
 
 def test_one_gpu_every_exact_system_is_the_ideal():

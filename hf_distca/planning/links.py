@@ -55,6 +55,7 @@ __all__ = [
     "PhaseTimes",
     "attention_flops_per_pair",
     "hiding_window",
+    "layer_seconds_per_token",
     "link_model_from_config",
     "plan_critical_path",
     "seconds_per_cost_unit",
@@ -207,6 +208,13 @@ def hiding_window(
 LAYER_FORWARD_SHARE = 0.25
 """Forward's share of a layer's work besides core attention under activation checkpointing (forward,
 recompute and backward at about 1 : 1 : 2 of the matmul FLOPs)."""
+
+
+def layer_seconds_per_token(layer_weights: int, layer_tflops: float) -> float:
+    """Seconds per token of one decoder layer's matmuls with ``layer_weights`` weights (its projections and
+    MLP) at ``layer_tflops``: 2 FLOPs per weight and token in forward, and forward, recompute and backward
+    take 1 / LAYER_FORWARD_SHARE forwards under activation checkpointing."""
+    return 2.0 * layer_weights / LAYER_FORWARD_SHARE / (layer_tflops * 1e12)
 
 
 def plan_critical_path(
