@@ -10,25 +10,42 @@ python -m ruff format --check . || exit 1
 # two workers (pytest-xdist; PYTEST_WORKERS overrides): most tests run one process on one core, so a second
 # worker fills the other core; work stealing keeps the multi-process runs from queueing behind each other.
 # The timing tests (tests/test_timing.py) then run alone: a busy second core inflates even CPU time.
-# Extra arguments go to pytest; when they name tests, only those run, in one parallel run.
-workers="${PYTEST_WORKERS:-$(( $(nproc) < 2 ? 1 : 2 ))}"
+# Extra arguments go to pytest: options to both runs; test paths to the run they belong to.
+# (nproc honours OMP_NUM_THREADS, set to 1 above: count the cores without it)
+cores="$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)"
+workers="${PYTEST_WORKERS:-$(( cores < 2 ? 1 : 2 ))}"
 timing=tests/test_timing.py
-pytest_cmd=(python -m pytest -q -p no:cacheprovider)
-named_tests=0
+options=() paths=() timing_paths=() takes_value=0
 for arg in "$@"; do
-    case "$arg" in tests*|*.py|*::*) named_tests=1 ;; esac
+    if [ "$takes_value" -eq 1 ]; then
+        options+=("$arg")
+        takes_value=0
+        continue
+    fi
+    case "$arg" in
+        -k|-m|-p|-c|-o|-n|-W|--deselect|--ignore|--ignore-glob|--junitxml|--rootdir|--basetemp|--durations|--timeout|--dist|--maxfail)
+            options+=("$arg")
+            takes_value=1 ;;
+        -*) options+=("$arg") ;;
+        *test_timing.py*) timing_paths+=("$arg") ;;
+        *) paths+=("$arg") ;;
+    esac
 done
-if [ "$named_tests" -eq 1 ]; then
-    "${pytest_cmd[@]}" --timeout=900 -n "$workers" --dist worksteal "$@"
+pytest_cmd=(python -m pytest -q -p no:cacheprovider "${options[@]}")
+rc=5
+if [ "${#paths[@]}" -gt 0 ] || [ "${#timing_paths[@]}" -eq 0 ]; then
+    "${pytest_cmd[@]}" --timeout=900 -n "$workers" --dist worksteal --ignore="$timing" "${paths[@]}"
     rc=$?
-    rc_timing=5
-else
-    "${pytest_cmd[@]}" --timeout=900 -n "$workers" --dist worksteal --ignore="$timing" "$@"
-    rc=$?
-    "${pytest_cmd[@]}" --timeout=300 "$@" "$timing"
+fi
+rc_timing=5
+if [ "${#timing_paths[@]}" -gt 0 ]; then
+    "${pytest_cmd[@]}" --timeout=300 "${timing_paths[@]}"
+    rc_timing=$?
+elif [ "${#paths[@]}" -eq 0 ]; then
+    "${pytest_cmd[@]}" --timeout=300 "$timing"
     rc_timing=$?
 fi
-# no test collected fails; with filters given, one of the two runs may be empty
+# no test collected fails; with arguments, one of the two runs may be empty (or not run)
 if { [ "$rc" -eq 5 ] && [ "$rc_timing" -eq 5 ]; } || { [ $# -eq 0 ] && { [ "$rc" -eq 5 ] || [ "$rc_timing" -eq 5 ]; }; }; then
     echo "pytest collected no tests: failing" >&2
     exit 1
