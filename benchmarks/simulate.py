@@ -253,6 +253,12 @@ class ModelShape:
         return self.hidden * (2 * q + 2 * kv) + 3 * self.hidden * self.intermediate
 
     @property
+    def derived_layer_seconds(self) -> float:
+        """The seconds per token of one layer that enable_distca derives for layer-level ping-pong's planner
+        (its weights at the default DistCAConfig.layer_tflops)."""
+        return layer_seconds_per_token(self.layer_weights, DistCAConfig().layer_tflops)
+
+    @property
     def matmul_params(self) -> int:
         """Weights multiplied per token: attention projections, MLP, LM head (not the embedding lookup)."""
         return self.layers * self.layer_weights + self.hidden * self.vocab
@@ -487,8 +493,7 @@ def planner_config(system: System, s: Setting, tolerance: float | None = None) -
         if system.schedule == "layers" and system.hide_window:
             # what the other nano-batch's layers hide, as enable_distca derives it from the model's layer
             # weights at the default layer_tflops
-            per_token = layer_seconds_per_token(s.model.layer_weights, DistCAConfig().layer_tflops)
-            fields.update(layer_ping_pong=True, layer_seconds_per_token=per_token)
+            fields.update(layer_ping_pong=True, layer_seconds_per_token=s.model.derived_layer_seconds)
     return DistCAConfig(**fields)
 
 
@@ -973,7 +978,7 @@ def write_report(rows: list[Row], info: dict, args, command: str) -> str:
         "- distca-comm's planner: DistCAConfig(link_gib_per_s=the inter-node figure, ranks_per_node="
         f"{args.gpus_per_node}, intra_node_gib_per_s=the intra-node all-to-all at 256 MiB per rank), "
         "comm_overlap=0; for distca-comm-layers also layer_ping_pong=True, layer_seconds_per_token="
-        f"{layer_seconds_per_token(model.layer_weights, DistCAConfig().layer_tflops):.4g} (derived as "
+        f"{model.derived_layer_seconds:.4g} (derived as "
         "enable_distca derives it: the layer's weights at the default layer_tflops; the simulated "
         f"non-attention work above is {linear.per_token_layer:.4g}): transfers "
         "priced as hidden behind the other nano-batch's layer work and kernels (hf_distca.planning.links."
@@ -1086,9 +1091,9 @@ def write_report(rows: list[Row], info: dict, args, command: str) -> str:
         "CPU time (the process's, not wall time: the machine is shared) of planning one step (every plan of "
         "its micro-batches: layer-level ping-pong plans its two nano-batches) on the CPU machine that ran "
         "this simulation, against the simulated step of the same system. The plan depends only on the data "
-        "(every rank's pieces), the model's shapes and the config, so it could also be made for step N + 1 "
-        "while step N trains. benchmarks/results/planner_cpu.md times the planner "
-        "alone (213-333 ms per micro-batch of 65,536 tokens per rank at 512 servers, priced, at tolerance 0.1).",
+        "(every rank's pieces), the model's shapes and the config, so DistCAConfig(prefetch_plans=True) makes "
+        "it for micro-batch N + 1 while micro-batch N trains. benchmarks/results/planner_cpu.md times the "
+        "planner alone, per micro-batch.",
         "",
         SETTING_COLUMNS + " system | plan s | step s | plan / step |",
         SETTING_ALIGN + "---|---:|---:|---:|",

@@ -108,7 +108,15 @@ def enable_distca(
     config = config if config is not None else DistCAConfig()
     if config.layer_ping_pong and config.layer_seconds_per_token is None:
         weights = decoder_layer_weights(model)
-        if weights is not None:
+        if weights is None:
+            warnings.warn(
+                "enable_distca: layer_ping_pong is on but the seconds per token of a decoder layer could not "
+                "be derived from this model (no decoder layer list found, or mixture-of-experts layers): the "
+                "planner prices every transfer as exposed; give DistCAConfig(layer_seconds_per_token=...) "
+                "(~4e-6 for a Llama-3-8B-shaped layer on an H200)",
+                stacklevel=2,
+            )
+        else:
             seconds = layer_seconds_per_token(weights, config.layer_tflops)
             config = dataclasses.replace(config, layer_seconds_per_token=seconds)
     runtime = DistCARuntime(group=group, config=config)
@@ -124,17 +132,26 @@ def enable_distca(
     return runtime
 
 
+MOE_CONFIG_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+"""Model config fields that mark mixture-of-experts layers (a few experts of many run per token)."""
+
+
 def decoder_layer_weights(model: torch.nn.Module) -> int | None:
-    """Weights of the matmuls (2-D parameters: projections, MLP) of ``model``'s first decoder layer, the
-    first module list as long as ``config.num_hidden_layers``; None when there is none. Counts full shapes
-    of parameters sharded by FSDP2 (DTensor) or partitioned by ZeRO-3 (``ds_shape``)."""
-    layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
-    if not layers:
+    """Weights of the matmuls (parameters of 2 or more dimensions: projections, MLP) of ``model``'s first
+    decoder layer, the first module list as long as its (text) config's ``num_hidden_layers``. None when
+    there is none, when it holds no such weight, or for mixture-of-experts models (every expert's weights
+    would count; a few run per token). Counts the full shapes of parameters sharded by FSDP2 (DTensor) or
+    partitioned by ZeRO-3 (``ds_shape``)."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    layers = getattr(config, "num_hidden_layers", None)
+    if not layers or any(getattr(config, name, None) for name in MOE_CONFIG_FIELDS):
         return None
     for module in model.modules():
         if isinstance(module, torch.nn.ModuleList) and len(module) == layers:
             shapes = [getattr(p, "ds_shape", p.shape) for p in module[0].parameters()]
-            return sum(math.prod(shape) for shape in shapes if len(shape) == 2)
+            return sum(math.prod(shape) for shape in shapes if len(shape) >= 2) or None
     return None
 
 

@@ -13,6 +13,7 @@ PING_PONG_SPLITS = ("local_first", "halves")
 # DistCAConfig fields that change how a plan is run or checked, never the plan itself.
 RUN_ONLY_FIELDS = (
     "backend",
+    "layer_tflops",  # acts only through layer_seconds_per_token, which enable_distca derives from it
     "check_consistency",
     "ping_pong",
     "ping_pong_split",
@@ -105,11 +106,12 @@ class DistCAConfig:
     ``1 - comm_overlap``)."""
 
     layer_tflops: float = 440.0
-    """Throughput in TFLOP/s of a decoder layer's matmuls (forward, recompute and backward) from which
-    ``layer_seconds_per_token`` is derived when it is None: 440 is an H200 in bf16, the fit of DESIGN.md's
-    measurements of a Llama-3-8B-shaped layer (3.96 us per token). Counts every weight of the layer, so a
-    mixture-of-experts layer (all experts counted, a few run per token) is overestimated: give
-    ``layer_seconds_per_token`` there."""
+    """Throughput in TFLOP/s of a decoder layer's matmuls from which ``layer_seconds_per_token`` is derived
+    when it is None: 440 is an H200 in bf16, the fit of our measurements of a Llama-3-8B-shaped layer
+    (3.96 us per token); set it for other GPUs. The derivation counts forward, recompute and backward
+    (activation checkpointing, every weight trained); without checkpointing, or with frozen weights (LoRA),
+    the layer does less, transfers are then priced as better hidden than they are. Mixture-of-experts
+    models get nothing derived (a warning): give ``layer_seconds_per_token`` there."""
 
     attention_tflops: float = 300.0
     """Forward+backward core-attention throughput in TFLOP/s that turns causal (query, key) pairs into

@@ -92,7 +92,7 @@ def test_balanced_layout_of_a_full_micro_batch_balances_attention_alone():
         sum(causal_pairs(p.doc_start, p.doc_start + p.length) for p in rank)
         for rank in real(got, len(lengths))
     ]
-    assert max(pairs) <= 1.12 * (sum(pairs) / world), max(pairs) / (sum(pairs) / world)  # 1.10 (1.20 before)
+    assert max(pairs) <= 1.12 * (sum(pairs) / world), max(pairs) / (sum(pairs) / world)  # 1.10
 
 
 def test_balanced_places_whole_documents_on_the_cheapest_rank():

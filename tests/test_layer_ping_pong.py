@@ -35,7 +35,7 @@ from test_engine_remat import (
     with_mode,
 )
 from tolerances import TOL
-from transformers import DataCollatorWithFlattening
+from transformers import DataCollatorWithFlattening, MixtralConfig, MixtralForCausalLM
 
 from hf_distca import DistCAConfig, enable_distca, metrics, nano_batch_loss
 from hf_distca.attention import decoder_layer_weights
@@ -52,8 +52,10 @@ TOKENS_PER_RANK = 256
 # ------------------------------------------------------------------------------------ the split
 def test_enable_distca_derives_the_layer_seconds_from_the_decoder_layer():
     """Under layer_ping_pong with layer_seconds_per_token None, the runtime's config gets it from the first
-    decoder layer's matmul weights (q, k, v, o, gate, up, down: counted by hand here) at layer_tflops; a
-    given value is kept, and without layer_ping_pong nothing is derived."""
+    decoder layer's matmul weights (q, k, v, o, gate, up, down: counted by hand here) at layer_tflops,
+    ZeRO-3-partitioned weights by their full ``ds_shape``; a given value is kept, and without layer_ping_pong
+    nothing is derived. Where nothing can be derived (no decoder layer list, mixture-of-experts layers) it
+    stays None, with a warning."""
     model = tiny_llama()
     cfg = model.config
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
@@ -64,7 +66,17 @@ def test_enable_distca_derives_the_layer_seconds_from_the_decoder_layer():
     given = DistCAConfig(layer_ping_pong=True, layer_seconds_per_token=1e-6)
     assert enable_distca(model, config=given).config == given
     assert enable_distca(model, config=DistCAConfig()).config == DistCAConfig()
-    assert decoder_layer_weights(torch.nn.Linear(2, 2)) is None  # no decoder layers: left None
+    for p in model.model.layers[0].parameters():  # as ZeRO-3 leaves them: empty, the full shape aside
+        p.ds_shape, p.data = p.shape, p.data.new_empty(0)
+    assert decoder_layer_weights(model) == weights
+
+    moe = MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=64)  # fmt: skip
+    for other in (torch.nn.Linear(2, 2), MixtralForCausalLM(moe)):
+        assert decoder_layer_weights(other) is None
+        with pytest.warns(UserWarning, match="could not be derived"):
+            runtime = enable_distca(other, config=DistCAConfig(layer_ping_pong=True))
+        assert runtime.config.layer_seconds_per_token is None
     with pytest.raises(ValueError, match="layer_tflops must be a positive finite number"):
         DistCAConfig(layer_tflops=0.0)
 

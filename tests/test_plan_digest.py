@@ -1,9 +1,7 @@
 """Plans pinned bit for bit: a fixed set of seeded batches (full causal and windowed, balance-only and
 communication-priced, with send and receive bounds, a measured cost table, a shipped H200 table) planned
-and hashed. The
-expected digests were computed on the planner before it was split into modules (the balanced64 ones
-again when layout_balanced, their input, changed); a refactor that changes any plan (a task, a load, a
-byte count, a critical path) changes a digest."""
+and hashed. A refactor that changes any plan (a task, a load, a byte count, a critical path) changes a
+digest; so does a change of layout_balanced, the balanced64 plans' input."""
 
 from __future__ import annotations
 

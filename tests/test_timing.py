@@ -1,8 +1,8 @@
 """Planning time: one step's plan for 1,000 long-tailed documents over 64 servers, in CPU seconds.
 
-These tests time code, so scripts/run_tests.sh runs this file on its own after the parallel suite: a
-second pytest worker (or a rank of a recipe test) on the other core inflates even CPU time (shared caches,
-lower clocks), by ~3x on a 2-core CI machine. Each test reports the median of its repeats.
+These tests time code, so scripts/run_tests.sh runs this file on its own after the parallel suite: what
+else runs on the machine inflates even CPU time (shared caches, lower clocks; inside the suite, CI measured
+43-55 ms for a plan of 16 ms on a quiet core). Each test reports the median of its repeats.
 """
 
 from __future__ import annotations

@@ -15,8 +15,9 @@ differs. Pure functions, no processes.
   see the chunks before it: **the math differs** from the whole document's.
 - :func:`balanced_layout`: balanced packing in the style of WLB-LLM (Wang et al., OSDI 2025): documents
   go, longest first, to the rank with the least estimated step cost (causal attention cost + linear
-  per-token cost, counting at least the mean tokens per rank that every rank ends up with), and a document whose attention alone exceeds a rank's fair share is split
-  head/tail over several ranks (per-document context parallelism). Exact when run through DistCA's
+  per-token cost, counting at least the mean tokens per rank that every rank ends up with), and a
+  document whose attention alone exceeds a rank's fair share is split head/tail over several ranks
+  (per-document context parallelism). Exact when run through DistCA's
   engine with balancing off (``DistCAConfig(max_planner_moves=0)``): a tail piece gets its KV prefix
   from the ranks holding the head.
 """
