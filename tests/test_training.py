@@ -111,8 +111,11 @@ def test_recipe_exact_across_world_sizes(tmp_path):
                 want["loss"],
             )
             assert len(got["attn_flops_after"]) == len(got["bytes_sent"]) == world
-            # balancing never makes the planned max/mean worse, and lands within its tolerance or improves
-            assert got["imbalance_after"] <= got["imbalance_before"] + 1e-9
+            # each micro-batch's plan lands within the tolerance or improves on its layout; a step sums two
+            # micro-batches whose busiest ranks can differ, so its imbalance after planning is held to the
+            # larger of the tolerance and the summed layout's imbalance, not to the latter alone
+            bound = max(got["imbalance_before"], 1 + BALANCE_ONLY_TOLERANCE)
+            assert got["imbalance_after"] <= bound + 1e-9, (world, got["imbalance_after"], bound)
             # total attention work is conserved by planning
             assert sum(got["attn_flops_after"]) == pytest.approx(sum(got["attn_flops_before"]), rel=1e-12)
         # the distributed path really ran: documents were cut over ranks, so KV crossed ranks
