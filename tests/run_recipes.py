@@ -64,6 +64,7 @@ def _rank_main(rank: int, world: int, port: int, runs: list, log_path: str, env:
 
 
 def _free_port() -> int:
+    """A port free now (another process may take it before rank 0 binds it: launch then retries once)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -79,18 +80,22 @@ def launch(
     rank's output when a rank fails or the launch outlives ``timeout`` seconds (the other ranks are
     stopped a few seconds after one fails, instead of waiting in a collective); whatever ends the launch,
     its processes and theirs are stopped."""
-    tag = f"launch{len(list(tmp_path.glob('launch*-rank0.log')))}"
-    logs = [str(tmp_path / f"{tag}-rank{r}.log") for r in range(world)]
-    ctx = preloaded_context()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, world, port, runs, logs[r], dict(env or {})))
-        for r in range(world)
-    ]
-    run_processes(procs, timeout)
-    # a rank that died before opening its log has none
-    outputs = [Path(path).read_text(errors="replace") if os.path.exists(path) else "" for path in logs]
-    if any(p.exitcode != 0 for p in procs):
+    for attempt in range(2):  # again on a new port if another process took the free one meanwhile
+        tag = f"launch{len(list(tmp_path.glob('launch*-rank0.log')))}"
+        logs = [str(tmp_path / f"{tag}-rank{r}.log") for r in range(world)]
+        ctx = preloaded_context()
+        port = _free_port()
+        procs = [
+            ctx.Process(target=_rank_main, args=(r, world, port, runs, logs[r], dict(env or {})))
+            for r in range(world)
+        ]
+        run_processes(procs, timeout)
+        # a rank that died before opening its log has none
+        outputs = [Path(path).read_text(errors="replace") if os.path.exists(path) else "" for path in logs]
+        failed = any(p.exitcode != 0 for p in procs)
+        if not (failed and attempt == 0 and any("address already in use" in out.lower() for out in outputs)):
+            break
+    if failed:
         report = "\n".join(
             f"--- rank {r} (exit code {p.exitcode}):\n{outputs[r][-6000:]}" for r, p in enumerate(procs)
         )
