@@ -162,12 +162,13 @@ def _train_loop(rank: int, world: int, ping_pong: bool | str, shard: bool) -> di
         losses.append(float(step_loss))
     stats = metrics.snapshot(reset=True)
     sharded = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
+    layer_weights = hf_distca.attention.decoder_layer_weights(model)  # of the sharded model: full shapes
     weights = {
         n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
         for n, p in model.named_parameters()
     }
     return {"losses": losses, "weights": weights, "sharded": sharded, "bytes_sent": stats.bytes_sent,
-            "attn_fwd_kernels": stats.attn_fwd_kernels}  # fmt: skip
+            "attn_fwd_kernels": stats.attn_fwd_kernels, "layer_weights": layer_weights}  # fmt: skip
 
 
 def _fsdp2_worker(rank: int, world: int) -> dict:
@@ -188,8 +189,9 @@ def test_fsdp2_loop_matches_one_process():
     assert len(reference["losses"]) == LOOP_STEPS and reference["losses"][-1] < reference["losses"][0]
     for rank, runs in enumerate(results):
         for pp, run in runs.items():
-            # FSDP2 sharded every parameter
+            # FSDP2 sharded every parameter; the layer's weights still count whole (layer_seconds_per_token)
             assert len(run["sharded"]) == len(run["weights"]), (rank, pp, run["sharded"])
+            assert run["layer_weights"] == reference["layer_weights"] == 64 * (2 * 64 + 2 * 32) + 3 * 64 * 128
             for got, want in zip(run["losses"], reference["losses"], strict=True):
                 loss_tol = TOL["train_loss"][0] * abs(want)
                 assert abs(got - want) <= loss_tol, (rank, pp, run["losses"], reference["losses"])
