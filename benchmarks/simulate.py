@@ -27,7 +27,10 @@ bandwidth per GPU) and prices every rank's work:
   ranks at its own tokens per rank (the fewest that hold it) and planned on its own, as the data path does:
   :func:`hf_distca.data.nano.split_documents` and :func:`~hf_distca.data.nano.nano_tokens_per_rank`; a
   micro-batch of one document runs whole, serial; run through the layers as coroutines that switch at the
-  attention function).
+  attention function). Not run by default (``--systems``): ``distca-comm-layers4`` (4 nano-batches),
+  ``-shard1k`` (1024-token shards), ``-exposed`` (the planner prices every transfer exposed) and
+  ``distca-comm-layers-relay``, **a projection of a design not built**: KV crossing nodes once per
+  destination node through a relay rank (:func:`relay_kv`).
 - core attention: every CA-task (queries [a, b) of a document over keys [0, b)) costs its causal
   (query, key) pairs over the measured rate of its shape, per layer: forward + backward (the
   ``remat`` recompute mode, rematerialization-aware checkpointing: attention is not run again) or
@@ -195,6 +198,11 @@ class System:
     """With ``comm_aware`` and the 'layers' schedule: the planner prices transfers as hidden behind the
     other nano-batch's layers (``DistCAConfig(layer_ping_pong=True)``, ``layer_seconds_per_token``
     derived from the layer's weights as enable_distca does); False: every transfer exposed."""
+    kv_relay: bool = False
+    """A projection of a design not built: KV rows cross nodes once per destination node, to the rank of
+    that node with the holder's local index, which forwards them over NVLink (dK/dV back the reverse
+    way): each all-to-all phase runs in two stages, one after the other (:func:`relay_kv`). The planner
+    plans as without it."""
 
 
 SYSTEM_SPECS = {
@@ -219,8 +227,17 @@ SYSTEM_SPECS = {
     "distca-comm-layers-exposed": System(
         "distca-comm-layers-exposed", "distca", True, True, "layers", True, hide_window=False
     ),
+    # NOT BUILT, a projection: distca-comm-layers with a per-node relay of KV rows
+    "distca-comm-layers-relay": System(
+        "distca-comm-layers-relay", "distca", True, True, "layers", True, kv_relay=True
+    ),
 }
-EXPLORATIONS = ("distca-comm-layers4", "distca-comm-layers-shard1k", "distca-comm-layers-exposed")
+EXPLORATIONS = (
+    "distca-comm-layers4",
+    "distca-comm-layers-shard1k",
+    "distca-comm-layers-exposed",
+    "distca-comm-layers-relay",
+)
 
 
 @dataclass(frozen=True)
@@ -539,7 +556,7 @@ def simulate_micro_batch(
                 _, plan, seconds = plan_layout(system, group, s, tokens_per_rank, tolerance)
                 plans.append(plan)
                 plan_s += seconds
-            mb = price_plans(plans, s, "layers")
+            mb = price_plans(plans, s, "layers", kv_relay=system.kv_relay)
             mb.plan_s = plan_s
             return mb
         system = dataclasses.replace(system, schedule="serial")  # too few documents: the engine runs it whole
@@ -550,7 +567,7 @@ def simulate_micro_batch(
         attention = np.array([sum(_task_seconds(s, p.length, p.length) for p in r) for r in pieces]) * layers
         step = float((linear + attention).max())
         return MicroBatch(linear, attention, 0.0, np.zeros(s.world), step_s=step, synced_s=step)
-    mb = price_plans([plan], s, system.schedule)
+    mb = price_plans([plan], s, system.schedule, kv_relay=system.kv_relay)
     mb.plan_s = plan_s
     return mb
 
@@ -575,6 +592,38 @@ FORWARD_SHARE = LAYER_FORWARD_SHARE
 backward at about 1 : 1 : 2 of the matmul FLOPs)."""
 
 
+def relay_kv(plan, kv_row_bytes: int, ranks_per_node: int) -> tuple[np.ndarray, np.ndarray]:
+    """KV bytes of one forward dispatch through a per-node relay (a projection, not DistCA's engine):
+    ``(first, second)``, (world, world) ``[sender, receiver]``. First stage: KV inside a node goes direct;
+    across nodes each holder sends every row once per destination node, to that node's rank with the
+    holder's local index. Second stage: that rank forwards each server of its node the rows it needs."""
+    world = plan.world_size
+    node = np.arange(world) // ranks_per_node
+    first = np.zeros((world, world))
+    second = np.zeros((world, world))
+    spans: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (holder, destination node) -> local rows
+    for server, per_doc in enumerate(plan.kv_ranges):
+        for doc, ranges in per_doc.items():
+            for lo, hi in ranges:
+                for holder, start, n in plan.index.segments(doc, lo, hi):
+                    if holder == server:
+                        continue
+                    if node[holder] == node[server]:
+                        first[holder, server] += n * kv_row_bytes
+                        continue
+                    spans.setdefault((holder, int(node[server])), []).append((start, start + n))
+                    relay = int(node[server]) * ranks_per_node + holder % ranks_per_node
+                    if relay != server:
+                        second[relay, server] += n * kv_row_bytes
+    for (holder, dest), intervals in spans.items():
+        rows, end = 0, -1
+        for a, b in sorted(intervals):  # rows of the union of the intervals
+            rows += max(0, b - max(a, end))
+            end = max(end, b)
+        first[holder, dest * ranks_per_node + holder % ranks_per_node] += rows * kv_row_bytes
+    return first, second
+
+
 def price_plan(plan, s: Setting, schedule: str = "serial") -> MicroBatch:
     """One micro-batch run through DistCA's engine under ``plan`` (of the layout's pieces, whatever the
     planner's config) with ``schedule`` ('serial' or 'attention')."""
@@ -582,14 +631,14 @@ def price_plan(plan, s: Setting, schedule: str = "serial") -> MicroBatch:
 
 
 def price_plans(
-    plans: Sequence, s: Setting, schedule: str = "serial", split: str | None = None
+    plans: Sequence, s: Setting, schedule: str = "serial", split: str | None = None, kv_relay: bool = False
 ) -> MicroBatch:
     """A micro-batch run through DistCA's engine: ``plans`` one per nano-batch (several only for
     'layers'), timed on their schedule (hf_distca.planning.schedule): per rank and layer the
     non-attention work before attention (``pre_share``) and after it, the server's kernels per part, and
     per part and phase an all-to-all lasting as long as its slowest rank (:meth:`Links.phase_seconds`
     of the traffic ledger's bytes). ``split``: the attention-level nano-batch split (default
-    DistCAConfig's)."""
+    DistCAConfig's). ``kv_relay``: KV through a per-node relay (:func:`relay_kv`, a projection)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     if schedule != "layers" and len(plans) != 1:
@@ -632,10 +681,15 @@ def price_plans(
             compute[("kernel", "bwd", n, j)] = fwd_bwd - fwd
             attention += layers * (fwd_bwd + (fwd if s.recompute == "full" else 0.0))
             q, kv = traffic(part, s.model.q_row_bytes, s.model.kv_row_bytes)
-            matrices = phase_matrices(q, kv)
-            for phase, m in zip(PHASES, matrices, strict=True):
-                comm[(phase, phase[:3], n, j)] = s.links.phase_seconds(m)
-            layer_phases = phases(q, kv, s.recompute)
+            stages = [(q, kv)]
+            if kv_relay and world > s.links.gpus_per_node:
+                first, second = relay_kv(part, s.model.kv_row_bytes, s.links.gpus_per_node)
+                stages = [(q, first), (np.zeros_like(q), second)]
+            for q_stage, kv_stage in stages:  # stages run one after the other
+                for phase, m in zip(PHASES, phase_matrices(q_stage, kv_stage), strict=True):
+                    key = (phase, phase[:3], n, j)
+                    comm[key] = comm.get(key, 0.0) + s.links.phase_seconds(m)
+            layer_phases = [m for q_stage, kv_stage in stages for m in phases(q_stage, kv_stage, s.recompute)]
             sent += layers * sum(m.sum(1) - np.diag(m) for m in layer_phases)
             inter += layers * sum(float(m[across].sum()) for m in layer_phases)
         fanout = max(fanout, kv_fanout(plan))
@@ -912,6 +966,8 @@ def system_settings(system: System, info: dict) -> str:
             )
     if system.shard_tokens is not None:
         fields.append(f"shard_tokens={system.shard_tokens}")
+    if system.kv_relay:
+        fields.append("**KV through a per-node relay: a projection of a design not built** (relay_kv)")
     if not system.balance:
         fields.append("max_planner_moves=0")
     return "DistCAConfig(" + "; ".join(fields) + ")" if system.disaggregate else "not through DistCA's engine"
