@@ -121,7 +121,7 @@ from hf_distca.planning.traffic import (
     phase_matrices,
     plan_matrices,
 )
-from hf_distca.planning.window import kv_start
+from hf_distca.planning.window import kv_start, ranges_length, ranges_union
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from workloads import documents_for, draw_lengths, global_batches, load_sample  # noqa: E402
@@ -616,10 +616,7 @@ def relay_kv(plan, kv_row_bytes: int, ranks_per_node: int) -> tuple[np.ndarray, 
                     if relay != server:
                         second[relay, server] += n * kv_row_bytes
     for (holder, dest), intervals in spans.items():
-        rows, end = 0, -1
-        for a, b in sorted(intervals):  # rows of the union of the intervals
-            rows += max(0, b - max(a, end))
-            end = max(end, b)
+        rows = ranges_length(ranges_union(intervals, []))  # each row once
         first[holder, dest * ranks_per_node + holder % ranks_per_node] += rows * kv_row_bytes
     return first, second
 

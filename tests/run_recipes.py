@@ -80,10 +80,10 @@ def launch(
     rank's output when a rank fails or the launch outlives ``timeout`` seconds (the other ranks are
     stopped a few seconds after one fails, instead of waiting in a collective); whatever ends the launch,
     its processes and theirs are stopped."""
+    ctx = preloaded_context()
     for attempt in range(2):  # again on a new port if another process took the free one meanwhile
         tag = f"launch{len(list(tmp_path.glob('launch*-rank0.log')))}"
         logs = [str(tmp_path / f"{tag}-rank{r}.log") for r in range(world)]
-        ctx = preloaded_context()
         port = _free_port()
         procs = [
             ctx.Process(target=_rank_main, args=(r, world, port, runs, logs[r], dict(env or {})))

@@ -17,9 +17,8 @@ differs. Pure functions, no processes.
   go, longest first, to the rank with the least estimated step cost (causal attention cost + linear
   per-token cost, counting at least the mean tokens per rank that every rank ends up with), and a
   document whose attention alone exceeds a rank's fair share is split head/tail over several ranks
-  (per-document context parallelism). Exact when run through DistCA's
-  engine with balancing off (``DistCAConfig(max_planner_moves=0)``): a tail piece gets its KV prefix
-  from the ranks holding the head.
+  (per-document context parallelism). Exact when run through DistCA's engine with balancing off
+  (``DistCAConfig(max_planner_moves=0)``): a tail piece gets its KV prefix from the ranks holding the head.
 """
 
 from __future__ import annotations

@@ -21,9 +21,9 @@ NANO_BATCHES = "distca_nano_batches"
 
 def split_documents(lengths: Sequence[int], parts: int = 2) -> list[list[int]] | None:
     """Indices of the documents of each nano-batch, groups of about equal estimated cost (per document,
-    ``LINEAR_PAIRS_PER_TOKEN`` per token plus its causal pairs), so that the nano-batches' projections and attention both about match and
-    each hides the other's exchanges: most expensive first, each to the cheapest group so far (ties: the
-    fewer tokens, then the lower group), indices ascending inside each. None when fewer documents than
+    ``LINEAR_PAIRS_PER_TOKEN`` per token plus its causal pairs), so that the nano-batches' projections and
+    attention both about match and each hides the other's exchanges: most expensive first, each to the
+    cheapest group so far (ties: the fewer tokens, then the lower group), indices ascending inside each. None when fewer documents than
     ``parts`` (a nano-batch would be empty): the micro-batch then runs whole."""
     if parts < 1:
         raise ValueError(f"parts must be >= 1, got {parts}")
