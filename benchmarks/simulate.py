@@ -28,9 +28,10 @@ bandwidth per GPU) and prices every rank's work:
   :func:`hf_distca.data.nano.split_documents` and :func:`~hf_distca.data.nano.nano_tokens_per_rank`; a
   micro-batch of one document runs whole, serial; run through the layers as coroutines that switch at the
   attention function). Not run by default (``--systems``): ``distca-comm-layers4`` (4 nano-batches),
-  ``-shard1k`` (1024-token shards), ``-exposed`` (the planner prices every transfer exposed) and
-  ``distca-comm-layers-relay``, **a projection of a design not built**: KV crossing nodes once per
-  destination node through a relay rank (:func:`relay_kv`).
+  ``-shard1k`` (1024-token shards) and ``-exposed`` (the planner prices every transfer exposed).
+  ``distca-comm-layers-relay``: distca-comm-layers with ``DistCAConfig(kv_relay=True)``, KV rows
+  crossing nodes once per destination node through a relay rank (:mod:`hf_distca.planning.relay`; each
+  phase that carries KV is two all-to-alls, back to back, as the engine chains them).
 - core attention: every CA-task (queries [a, b) of a document over keys [0, b)) costs its causal
   (query, key) pairs over the measured rate of its shape, per layer: forward + backward (the
   ``remat`` recompute mode, rematerialization-aware checkpointing: attention is not run again) or
@@ -112,6 +113,7 @@ from hf_distca.planning import schedule as schedule_ops
 from hf_distca.planning.cost import causal_pairs, cost_model_from_config
 from hf_distca.planning.links import LAYER_FORWARD_SHARE, attention_flops_per_pair, layer_seconds_per_token
 from hf_distca.planning.nano import nano_plans
+from hf_distca.planning.relay import relay_kv_bytes
 from hf_distca.planning.traffic import (
     INTER,
     INTRA,
@@ -121,7 +123,7 @@ from hf_distca.planning.traffic import (
     phase_matrices,
     plan_matrices,
 )
-from hf_distca.planning.window import kv_start, ranges_length, ranges_union
+from hf_distca.planning.window import kv_start
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from workloads import documents_for, draw_lengths, global_batches, load_sample  # noqa: E402
@@ -162,6 +164,7 @@ SYSTEMS = (
     "distca-comm-pingpong",
     "distca-layers",
     "distca-comm-layers",
+    "distca-comm-layers-relay",
 )
 BASELINES = ("exact-unbalanced", "balanced")
 """The exact baselines a DistCA system must never be slower than (hf-default computes other math)."""
@@ -199,10 +202,10 @@ class System:
     other nano-batch's layers (``DistCAConfig(layer_ping_pong=True)``, ``layer_seconds_per_token``
     derived from the layer's weights as enable_distca does); False: every transfer exposed."""
     kv_relay: bool = False
-    """A projection of a design not built: KV rows cross nodes once per destination node, to the rank of
-    that node with the holder's local index, which forwards them over NVLink (dK/dV back the reverse
-    way): each all-to-all phase runs in two stages, one after the other (:func:`relay_kv`). The planner
-    plans as without it."""
+    """``DistCAConfig(kv_relay=True)``: KV rows cross nodes once per destination node, to the rank of that
+    node at the holder's position in its node, which forwards them inside the node (dK/dV back the reverse
+    way): each phase that carries KV runs two all-to-alls, one after the other
+    (:func:`hf_distca.planning.relay.relay_kv_bytes`). The planner prices the direct route."""
 
 
 SYSTEM_SPECS = {
@@ -227,7 +230,7 @@ SYSTEM_SPECS = {
     "distca-comm-layers-exposed": System(
         "distca-comm-layers-exposed", "distca", True, True, "layers", True, hide_window=False
     ),
-    # NOT BUILT, a projection: distca-comm-layers with a per-node relay of KV rows
+    # distca-comm-layers with KV through the per-node relay
     "distca-comm-layers-relay": System(
         "distca-comm-layers-relay", "distca", True, True, "layers", True, kv_relay=True
     ),
@@ -236,7 +239,6 @@ EXPLORATIONS = (
     "distca-comm-layers4",
     "distca-comm-layers-shard1k",
     "distca-comm-layers-exposed",
-    "distca-comm-layers-relay",
 )
 
 
@@ -507,6 +509,7 @@ def planner_config(system: System, s: Setting, tolerance: float | None = None) -
             ranks_per_node=s.links.gpus_per_node,
             intra_node_gib_per_s=s.links.intra_gibps_at(PLANNER_INTRA_BYTES),
         )
+        fields["kv_relay"] = system.kv_relay
         if system.schedule == "layers" and system.hide_window:
             # what the other nano-batch's layers hide, as enable_distca derives it from the model's layer
             # weights at the default layer_tflops
@@ -592,35 +595,6 @@ FORWARD_SHARE = LAYER_FORWARD_SHARE
 backward at about 1 : 1 : 2 of the matmul FLOPs)."""
 
 
-def relay_kv(plan, kv_row_bytes: int, ranks_per_node: int) -> tuple[np.ndarray, np.ndarray]:
-    """KV bytes of one forward dispatch through a per-node relay (a projection, not DistCA's engine):
-    ``(first, second)``, (world, world) ``[sender, receiver]``. First stage: KV inside a node goes direct;
-    across nodes each holder sends every row once per destination node, to that node's rank with the
-    holder's local index. Second stage: that rank forwards each server of its node the rows it needs."""
-    world = plan.world_size
-    node = np.arange(world) // ranks_per_node
-    first = np.zeros((world, world))
-    second = np.zeros((world, world))
-    spans: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (holder, destination node) -> local rows
-    for server, per_doc in enumerate(plan.kv_ranges):
-        for doc, ranges in per_doc.items():
-            for lo, hi in ranges:
-                for holder, start, n in plan.index.segments(doc, lo, hi):
-                    if holder == server:
-                        continue
-                    if node[holder] == node[server]:
-                        first[holder, server] += n * kv_row_bytes
-                        continue
-                    spans.setdefault((holder, int(node[server])), []).append((start, start + n))
-                    relay = int(node[server]) * ranks_per_node + holder % ranks_per_node
-                    if relay != server:
-                        second[relay, server] += n * kv_row_bytes
-    for (holder, dest), intervals in spans.items():
-        rows = ranges_length(ranges_union(intervals, []))  # each row once
-        first[holder, dest * ranks_per_node + holder % ranks_per_node] += rows * kv_row_bytes
-    return first, second
-
-
 def price_plan(plan, s: Setting, schedule: str = "serial") -> MicroBatch:
     """One micro-batch run through DistCA's engine under ``plan`` (of the layout's pieces, whatever the
     planner's config) with ``schedule`` ('serial' or 'attention')."""
@@ -635,7 +609,7 @@ def price_plans(
     non-attention work before attention (``pre_share``) and after it, the server's kernels per part, and
     per part and phase an all-to-all lasting as long as its slowest rank (:meth:`Links.phase_seconds`
     of the traffic ledger's bytes). ``split``: the attention-level nano-batch split (default
-    DistCAConfig's). ``kv_relay``: KV through a per-node relay (:func:`relay_kv`, a projection)."""
+    DistCAConfig's). ``kv_relay``: KV through the per-node relay, as ``DistCAConfig(kv_relay=True)``."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     if schedule != "layers" and len(plans) != 1:
@@ -679,8 +653,8 @@ def price_plans(
             attention += layers * (fwd_bwd + (fwd if s.recompute == "full" else 0.0))
             q, kv = traffic(part, s.model.q_row_bytes, s.model.kv_row_bytes)
             stages = [(q, kv)]
-            if kv_relay and world > s.links.gpus_per_node:
-                first, second = relay_kv(part, s.model.kv_row_bytes, s.links.gpus_per_node)
+            if kv_relay and world > s.links.gpus_per_node:  # as the engine: a relay needs other nodes
+                first, second = relay_kv_bytes(part, s.model.kv_row_bytes, s.links.gpus_per_node)
                 stages = [(q, first), (np.zeros_like(q), second)]
             for q_stage, kv_stage in stages:  # stages run one after the other
                 for phase, m in zip(PHASES, phase_matrices(q_stage, kv_stage), strict=True):
@@ -964,7 +938,7 @@ def system_settings(system: System, info: dict) -> str:
     if system.shard_tokens is not None:
         fields.append(f"shard_tokens={system.shard_tokens}")
     if system.kv_relay:
-        fields.append("**KV through a per-node relay: a projection of a design not built** (relay_kv)")
+        fields.append("kv_relay=True (KV rows cross nodes once per destination node, through a relay rank)")
     if not system.balance:
         fields.append("max_planner_moves=0")
     return "DistCAConfig(" + "; ".join(fields) + ")" if system.disaggregate else "not through DistCA's engine"

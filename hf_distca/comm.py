@@ -16,7 +16,7 @@ in between overlap the transfer. On the CPU (gloo) the exchange runs on gloo's w
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,6 +89,50 @@ class Exchange:
             self.work = None
             self.send = self.recv[:0]
         return self.recv
+
+
+@dataclass
+class Chain:
+    """All-to-all-v exchanges that run one after the other (the KV relay's two stages), each started from
+    what the one before it received; ``wait()`` returns every stage's received buffer, in order."""
+
+    exchanges: list[Exchange]
+    side: Any = None
+    """The CUDA stream the later stages were started from, or None (on the CPU, or with one stage)."""
+
+    def wait(self) -> list[torch.Tensor]:
+        if (
+            self.side is not None
+        ):  # the first stage was waited for on the side stream, and the rest queued after it
+            torch.cuda.current_stream(self.side.device).wait_stream(self.side)
+            self.side = None
+            self.exchanges[0].work = None
+        return [exchange.wait() for exchange in self.exchanges]
+
+
+_side_streams: dict[str, Any] = {}
+
+
+def chain(first: Exchange, then: Callable[[torch.Tensor], Exchange] | None = None) -> Chain:
+    """``first``, then the exchange ``then`` starts from first's received buffer. On CUDA ``then`` runs on a
+    side stream that waits for the first stage, so neither the host nor the current stream waits: both
+    stages fly back to back behind whatever the current stream runs meanwhile. On the CPU the host waits
+    for the first stage before starting the second (gloo has no streams). Either way every rank starts the
+    stages at the same point of its program, as collectives must."""
+    if then is None:
+        return Chain([first])
+    if not first.recv.is_cuda:
+        return Chain([first, then(first.wait())])
+    device = first.recv.device
+    side = _side_streams.setdefault(str(device), torch.cuda.Stream(device))
+    current = torch.cuda.current_stream(device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        if first.work is not None:
+            first.work.wait()  # the side stream waits for the first stage, not the host
+        second = then(first.recv)
+    second.recv.record_stream(current)  # made on the side stream, read on the current one
+    return Chain([first, second], side)
 
 
 _signal_only = False

@@ -36,6 +36,8 @@ class EngineStats:
     bytes_received: int = 0
     phase_bytes: dict[str, list[int]] = field(default_factory=dict)
     """Phase name -> [bytes sent, bytes received] (exchanges started without a phase name: not here)."""
+    exchanges: int = 0
+    """All-to-all-v exchanges started (two per phase that carries KV through the relay)."""
     plan_seconds: float = 0.0
     """Seconds the engine's thread spent on plans: planning, or waiting for a prefetched plan, and
     building the dispatch index (the critical-path cost of planning)."""
@@ -83,6 +85,7 @@ def record_bytes(sent: int, received: int, phase: str | None = None) -> None:
     with _lock:
         _stats.bytes_sent += sent
         _stats.bytes_received += received
+        _stats.exchanges += 1
         if phase is not None:
             counts = _stats.phase_bytes.setdefault(phase, [0, 0])
             counts[0] += sent
@@ -105,6 +108,7 @@ def snapshot(reset: bool = False) -> EngineStats:
             bytes_sent=_stats.bytes_sent,
             bytes_received=_stats.bytes_received,
             phase_bytes={k: list(v) for k, v in _stats.phase_bytes.items()},
+            exchanges=_stats.exchanges,
             plan_seconds=_stats.plan_seconds,
         )
         if reset:

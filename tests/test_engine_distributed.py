@@ -27,6 +27,7 @@ from hf_distca import engine as eng
 from hf_distca.engine import clear_plan_cache
 from hf_distca.kernels import ForwardTensors, reference_varlen_attention
 from hf_distca.planning import attention_flops_per_pair, build_dispatch_index, forward_flops_per_pair, traffic
+from hf_distca.planning.relay import relay_kv_bytes
 
 D = 8
 HEADS = {"gqa": (4, 2), "mha": (3, 3)}
@@ -183,6 +184,22 @@ def _attention_cases(world: int) -> list[dict]:
             {"kind": "attention", "name": name, "layout": layout, "heads": "gqa", "dtype": dtype, "seed": 12,
              "window": window, "config": config}
         )  # fmt: skip
+    if world == 4:  # the KV relay over 2 nodes of 2 ranks: serial, ping-pong, a window; the stages one by one
+        relay = {"shard_tokens": 8, "tolerance": 0.3, "ranks_per_node": 2, "kv_relay": True}
+        for name, layout, heads, dtype, window, config in (
+            ("relay_giant", giant, "gqa", "fp64", None, DistCAConfig(**relay, backend="reference")),
+            ("relay_spans", spans, "mha", "fp32", None, DistCAConfig(**relay)),
+            ("relay_ping_pong", giant, "gqa", "fp64", None, DistCAConfig(**relay, ping_pong=True)),
+            ("relay_window", giant, "gqa", "fp64", 16, DistCAConfig(**relay)),
+        ):
+            cases.append(
+                {"kind": "attention", "name": name, "layout": layout, "heads": heads, "dtype": dtype, "seed": 13,
+                 "window": window, "config": config}
+            )  # fmt: skip
+        cases.append(
+            {"kind": "stages", "name": "relay_stages", "layout": giant, "heads": "gqa", "dtype": "fp32", "seed": 4,
+             "config": DistCAConfig(**relay, backend="reference")}
+        )  # fmt: skip
     return cases
 
 
@@ -278,18 +295,21 @@ def _check_attention_case(case: dict, per_rank: list[dict], world: int) -> dict:
         assert res["lse_shape"] == (sum(t.q_len for t in plan.tasks[rank]), hq), label
         serves = any(t.q_len for t in plan.tasks[rank])
         assert (fwd.attn_fwd_kernels, total.attn_fwd_kernels) == (repeat * serves, repeat * serves), label
-        want = _exchange_bytes(plan, rank, hq * D * elem, 2 * hkv * D * elem)
-        assert want["fwd_sent"] == plan.bytes_sent[rank] and want["fwd_recv"] == plan.bytes_received[rank], (
-            label
-        )
-        assert (fwd.bytes_sent, fwd.bytes_received) == (
-            repeat * want["fwd_sent"],
-            repeat * want["fwd_recv"],
-        ), label
-        assert total.bytes_sent == repeat * want["fwd_sent"] + want["bwd_sent"], label
-        assert total.bytes_received == repeat * want["fwd_recv"] + want["bwd_recv"], label
-        # phase by phase, the engine's measured bytes are the traffic ledger's
-        ledger = traffic.plan_bytes(plan)
+        relay = case["config"].ranks_per_node if case["config"].kv_relay else None
+        if relay is None:  # the planner's bytes are the direct route's
+            want = _exchange_bytes(plan, rank, hq * D * elem, 2 * hkv * D * elem)
+            assert (want["fwd_sent"], want["fwd_recv"]) == (
+                plan.bytes_sent[rank],
+                plan.bytes_received[rank],
+            ), label
+            assert (fwd.bytes_sent, fwd.bytes_received) == (
+                repeat * want["fwd_sent"],
+                repeat * want["fwd_recv"],
+            ), label
+            assert total.bytes_sent == repeat * want["fwd_sent"] + want["bwd_sent"], label
+            assert total.bytes_received == repeat * want["fwd_recv"] + want["bwd_recv"], label
+        # phase by phase, the engine's measured bytes are the traffic ledger's (both stages with the relay)
+        ledger = traffic.plan_bytes(plan, relay)
         assert nonzero(fwd.phase_bytes) == phase_counts(ledger, rank, repeat, 0), label
         assert nonzero(total.phase_bytes) == phase_counts(ledger, rank, repeat, 1), label
     cfg = case["config"]
@@ -298,7 +318,8 @@ def _check_attention_case(case: dict, per_rank: list[dict], world: int) -> dict:
     if achievable and cfg.link_gib_per_s is None:  # a priced plan balances only as far as it pays
         assert plan.imbalance_after <= (1 + cfg.balance_tolerance) * (1 + TOL["balance"][0]), label
     return {"name": case.get("name", layout.name), "moves": plan.moves, "moved": plan.load_after != plan.load_before,
-            "achievable": achievable, "bytes": sum(plan.bytes_sent)}  # fmt: skip
+            "achievable": achievable, "bytes": sum(plan.bytes_sent),
+            "relayed": bool(cfg.kv_relay and relay_kv_bytes(plan, 1, cfg.ranks_per_node)[1].sum())}  # fmt: skip
 
 
 def _check_error_case(case: dict, per_rank: list[dict], world: int) -> None:
@@ -343,6 +364,11 @@ def test_engine_distributed_and_remat(world):
     assert all(
         by_name[n][0]["moves"] > 0 and by_name[n][0]["bytes"] > 0 for n in ("window_giant", "window_one")
     )
+    relayed = {s["name"]: s["relayed"] for s in summaries if s["name"].startswith("relay_")}
+    assert (sorted(relayed) == ["relay_giant", "relay_ping_pong", "relay_spans", "relay_window"]) == (
+        world == 4
+    )
+    assert all(relayed.values()), relayed  # the relays forwarded rows inside their node: a second stage ran
     if world == 4:  # the priced plan the engine ran is not the balance-only one
         giant = next(c["layout"] for c in attention if c.get("name") == "priced")
         hq, hkv = HEADS["gqa"]

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -239,7 +240,7 @@ def _expected_stages(layers: int) -> tuple[list[str], list[str]]:
     return fwd, bwd
 
 
-def _case(rank: int, world: int, device: str = "cpu") -> dict:
+def _case(rank: int, world: int, device: str = "cpu", relay: bool = False) -> dict:
     from hf_distca.engine import stages
 
     if device == "cuda":
@@ -250,6 +251,8 @@ def _case(rank: int, world: int, device: str = "cpu") -> dict:
     batch = send_to_device(loader.micro_batch(docs), device)
     n_targets = sum(n - 1 for n in LENGTHS)
     config = DistCAConfig(shard_tokens=8, tolerance=0.0, backend="reference", layer_ping_pong=True)
+    if relay:  # KV through the relay, nodes of 2 ranks
+        config = dataclasses.replace(config, ranks_per_node=2, kv_relay=True)
     runs = {}
     for mode in MODES:
         for schedule in ("interleaved", "serial"):
@@ -326,9 +329,15 @@ def _oracle() -> dict:
     return {"loss": float(loss.detach()), "grads": grads_of(model)}
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_layer_ping_pong_exact_and_interleaved(world):
-    check_exact_and_interleaved(run_distributed(_case, world, timeout=300))
+@pytest.mark.parametrize(("world", "relay"), [(2, False), (4, True)])
+def test_layer_ping_pong_exact_and_interleaved(world, relay):
+    """2 ranks with direct exchanges; 4 ranks in 2 nodes with KV through the relay (two stages per KV phase,
+    in flight across the other nano-batch's work like one)."""
+    results = run_distributed(_case, world, "cpu", relay, timeout=300)
+    check_exact_and_interleaved(results)
+    for runs in results:  # the relay ran: the phases that carry KV (3 of 4) started two exchanges
+        stats = runs[("none", "interleaved")]["stats"]
+        assert (stats.exchanges > 4 * stats.calls) == relay, (stats.exchanges, stats.calls)
 
 
 def check_exact_and_interleaved(results: list[dict]) -> None:
@@ -359,12 +368,14 @@ def check_exact_and_interleaved(results: list[dict]) -> None:
 # ------------------------------------------------------------------------------------------------- CUDA
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_layer_ping_pong_exact_on_cuda_with_two_ranks_on_one_gpu():
-    """2 gloo processes sharing GPU 0 (CUDA tensors staged through host memory; NCCL refuses two ranks on one
-    GPU): the nano-batches' coroutines with their CUDA streams and asynchronous exchanges give the one-process
+@pytest.mark.parametrize(("world", "relay"), [(2, False), (4, True)])
+def test_layer_ping_pong_exact_on_cuda_with_ranks_on_one_gpu(world, relay):
+    """2 (4, with the KV relay over nodes of 2) gloo processes sharing GPU 0 (CUDA tensors staged through host
+    memory; NCCL refuses two ranks on one GPU): the nano-batches' coroutines with their CUDA streams and
+    asynchronous exchanges (the relay's second stage started from its side stream) give the one-process
     oracle's loss and gradients and the serial run's, in the simulator's stage order, in every checkpointing
     mode (fp32)."""
-    check_exact_and_interleaved(run_distributed(_case, 2, "cuda", timeout=300))
+    check_exact_and_interleaved(run_distributed(_case, world, "cuda", relay, timeout=300))
 
 
 @pytest.mark.gpu

@@ -513,7 +513,9 @@ def test_ping_pong_recipe_ddp_matches(tmp_path, flag):
 def _gpu_engine_check(rank: int, world: int) -> int:
     import gpu_nccl_engine_check
 
-    return gpu_nccl_engine_check.main(["--backend", "gloo", "--cpu", "--repeat", "1"])
+    return gpu_nccl_engine_check.main(
+        ["--backend", "gloo", "--cpu", "--repeat", "1", "--ranks-per-node", "1"]
+    )
 
 
 def test_gpu_engine_check_script_on_cpu():

@@ -115,26 +115,6 @@ def test_traffic_matrices_add_up_to_the_planners_byte_counts():
     np.testing.assert_array_equal(q.sum(0) + q.sum(1) + kv.sum(0), plan.bytes_received)
 
 
-def test_kv_relay_projection_sends_each_row_once_per_node():
-    """The relay projection (relay_kv, a design not built): inside a node KV goes direct; across nodes a
-    holder sends each row once per destination node, to the rank with its local index, which forwards
-    every other server of its node exactly the rows it reads. A 4000-token document on rank 0 of 2 nodes
-    of 2, short ones elsewhere, balanced: ranks 2 and 3 read prefixes of it from rank 0."""
-    pieces = [[(0, 0, 4000)], [(1, 0, 500)], [(2, 0, 500)], [(3, 0, 500)]]
-    plan = plan_core_attention(pieces, q_row_bytes=1, kv_row_bytes=1)
-    _, direct = sim.traffic(plan, 1, 1)
-    first, second = sim.relay_kv(plan, kv_row_bytes=1, ranks_per_node=2)
-    node = np.arange(4) // 2
-    same = node[:, None] == node[None, :]
-    np.testing.assert_array_equal(first * same, direct * same)  # inside a node: direct
-    assert (second * ~same).sum() == 0  # the forwarding stays inside the node
-    # rank 0's rows for node 1 cross once, to rank 2 (local index 0): the larger of the two prefixes
-    assert direct[0, 2] > 0 and direct[0, 3] > 0
-    assert first[0, 2] == max(direct[0, 2], direct[0, 3]) and first[0, 3] == 0
-    assert second[2, 3] == direct[0, 3]  # rank 2 forwards rank 3 what it reads, whole
-    assert (first * ~same).sum() < (direct * ~same).sum()
-
-
 def test_linear_fit_reproduces_its_measurements():
     kernels = sim.KernelTable.from_kernel_rows()
     linear = sim.LinearCost.from_measurements()

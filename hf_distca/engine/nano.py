@@ -22,6 +22,7 @@ import torch
 from hf_distca.engine.prepare import PreparedAttention
 from hf_distca.planning import build_dispatch_index, forward_flops_per_pair
 from hf_distca.planning.nano import nano_plans
+from hf_distca.planning.relay import with_relay
 
 __all__ = ["NanoSplit", "nano_batches", "whole"]
 
@@ -61,6 +62,8 @@ def nano_batches(prepared: PreparedAttention, shard_tokens: int, split: str = "l
     parts, rows = [], []
     for nano_plan in nano_plans(prepared.plan, shard_tokens, split):
         index = build_dispatch_index(nano_plan, prepared.rank, part=True)
+        if prepared.index.relay is not None:  # the micro-batch's KV goes through the relay: its parts' too
+            index = with_relay(nano_plan, index, prepared.index.relay.ranks_per_node)
         flops = [x * flops_per_pair for x in nano_plan.pairs_after]
         parts.append(
             PreparedAttention(

@@ -47,6 +47,7 @@ from hf_distca.planning import (
     cost_model_from_config,
     forward_flops_per_pair,
 )
+from hf_distca.planning.relay import with_relay
 
 _PLAN_CACHE_SIZE = 8
 _SEEN_LAYOUTS = 16
@@ -63,6 +64,7 @@ class DeviceIndex:
     kernel_kv_index: torch.Tensor
     out_send_index: torch.Tensor
     out_gather: torch.Tensor
+    relay_send_rows: torch.Tensor | None
 
 
 @dataclass
@@ -130,6 +132,7 @@ class PreparedAttention:
                 kernel_kv_index=as_t(ix.kernel_kv_index),
                 out_send_index=as_t(ix.out_send_index),
                 out_gather=as_t(ix.out_gather),
+                relay_send_rows=None if ix.relay is None else as_t(ix.relay.send_rows),
             )
         return self._on_device[key]
 
@@ -249,7 +252,7 @@ def _planned(
     prefetched = plan is not None
     if plan is None:
         plan = context.plan(all_pieces)
-    index = build_dispatch_index(plan, rank)
+    index = relayed_index(plan, rank, config)
     metrics.record_plan(time.perf_counter() - t0, prefetched=prefetched)
     flops_per_pair = forward_flops_per_pair(q_heads, head_dim)
     prepared = PreparedAttention(
@@ -267,6 +270,12 @@ def _planned(
     if len(_plan_cache) > _PLAN_CACHE_SIZE:
         _plan_cache.popitem(last=False)
     return prepared
+
+
+def relayed_index(plan: CorePlan, rank: int, config: DistCAConfig) -> DispatchIndex:
+    """``rank``'s index of ``plan``, its KV through the relay when ``config.kv_relay`` asks for it."""
+    index = build_dispatch_index(plan, rank)
+    return with_relay(plan, index, config.ranks_per_node) if config.kv_relay else index
 
 
 def clear_plan_cache() -> None:

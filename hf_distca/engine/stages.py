@@ -3,16 +3,21 @@
 Forward:  dispatch -> compute -> return_outputs -> gather_outputs
 Backward: dispatch_backward -> compute_backward -> return_grads -> gather_grads
 
-Communication stages start one all-to-all-v on the group they are given and return an
-:class:`~hf_distca.comm.Exchange` (``async_op=True``: still in flight, ``wait()`` completes it); None
-when the plan moves nothing. No stage records anything for autograd: the operator in
-:mod:`hf_distca.engine.op` chains them.
+Communication stages start their all-to-all-v on the group they are given and return it in flight
+(``async_op=True``) or done; ``wait()`` completes it; None when the plan moves nothing. No stage records
+anything for autograd: the operator in :mod:`hf_distca.engine.op` chains them.
+With a KV relay (``DispatchIndex.relay``, :mod:`hf_distca.planning.relay`) the stages that carry KV rows
+run two all-to-all-v one after the other (a :class:`~hf_distca.comm.Chain`): dispatches send KV across
+nodes to the relays first, then the relays forward it inside their node; the gradients' return sends
+dk/dv to the relays inside the node first, where they are summed, then across nodes with dq. Both
+stages' bytes count under the phase's name.
 
 Buffers: a rank sends, per destination rank in rank order, the rows of each stream back to back
 (dispatch: [q | k | v]; dispatch_backward: [q | out | dout | k | v]; return_grads: [dq | dk | dv]): what
 the traffic ledger (:mod:`hf_distca.planning.traffic`) says each phase carries; a change here changes
 its ``CARRIES`` too (tests/test_traffic.py ties the two).
-A server's pools are ``cat([its own rows, rows received from rank 0, from rank 1, ...])`` per stream;
+A server's pools are ``cat([its own rows, rows received from rank 0, from rank 1, ...])`` per stream
+(with the relay, the KV pools then hold the rows forwarded by each relay of the node, in rank order);
 the kernel reads them through the plan's kernel indices (a KV prefix shared by two tasks is read twice,
 so its gradients are summed with index_add).
 
@@ -28,7 +33,7 @@ from typing import Any
 import torch
 
 from hf_distca import metrics
-from hf_distca.comm import Exchange, all_to_all_v
+from hf_distca.comm import Chain, Exchange, all_to_all_v, chain
 from hf_distca.engine.prepare import PreparedAttention
 from hf_distca.kernels import (
     ForwardTensors,
@@ -126,26 +131,57 @@ def _unpack(
 
 
 def _pools(
-    local: list[torch.Tensor], received: torch.Tensor | None, recv_counts: list[list[int]]
+    local: list[torch.Tensor], received: list[torch.Tensor] | None, recv_counts: list[list[list[int]]]
 ) -> list[torch.Tensor]:
-    """Per stream, cat([local rows, rows from rank 0, from rank 1, ...]) (the local tensors themselves
+    """Per stream, cat([local rows, rows from rank 0, from rank 1, ...] of every stage); ``received``: the
+    stages' buffers, ``recv_counts[stage][s][r]`` rows of stream s from rank r (the local tensors themselves
     when nothing was received)."""
     if received is None:
         return local
     shapes = [(t.shape[1], t.shape[2]) for t in local]
-    per_stream = _unpack(received, recv_counts, shapes)
-    return [torch.cat([t, *parts]) for t, parts in zip(local, per_stream, strict=True)]
+    stages = [_unpack(buf, counts, shapes) for buf, counts in zip(received, recv_counts, strict=True)]
+    return [torch.cat([t, *[p for stage in stages for p in stage[s]]]) for s, t in enumerate(local)]
 
 
 def _kernel_rows(
     local: list[torch.Tensor],
-    received: torch.Tensor | None,
-    recv_counts: list[list[int]],
+    received: list[torch.Tensor] | None,
+    recv_counts: list[list[list[int]]],
     indices: list[torch.Tensor],
 ) -> list[torch.Tensor]:
     """Per stream, the kernel's rows (pool rows at ``indices``); the pools are freed on return."""
     pools = _pools(local, received, recv_counts)
     return [pool.index_select(0, index) for pool, index in zip(pools, indices, strict=True)]
+
+
+def _received_counts(prep: PreparedAttention, q_streams: int) -> list[list[list[int]]]:
+    """Per stage of a dispatch, rows each rank sends here of its ``q_streams`` query-sized streams, then of
+    k and v: one stage, or with the relay a second one that forwards only KV rows."""
+    ix = prep.index
+    stages = [[ix.recv_q_counts] * q_streams + [ix.recv_kv_counts] * 2]
+    if ix.relay is not None:
+        stages.append([[0] * ix.world_size] * q_streams + [ix.relay.recv_counts] * 2)
+    return stages
+
+
+def _relay_forward(prep: PreparedAttention, phase: str, q_streams: int, group: Any, async_op: bool):
+    """The relay's second stage of a dispatch, from the first stage's received buffer: each server of this
+    node gets the k and v rows it reads among those that crossed nodes to this rank (None: no relay)."""
+    relay = prep.index.relay
+    if relay is None:
+        return None
+    shapes = [(prep.q_heads, prep.head_dim)] * q_streams + [(prep.kv_heads, prep.head_dim)] * 2
+
+    def forward(received: torch.Tensor) -> Exchange:
+        *_, k_parts, v_parts = _unpack(received, _received_counts(prep, q_streams)[0], shapes)
+        rows = prep.device_index(received.device).relay_send_rows
+        streams = [
+            (torch.cat(k_parts).index_select(0, rows), relay.send_counts),  # (N2, Hkv, D)
+            (torch.cat(v_parts).index_select(0, rows), relay.send_counts),
+        ]
+        return _start(phase, streams, [relay.recv_counts] * 2, group, async_op)
+
+    return forward
 
 
 # ------------------------------------------------------------------------------------------- forward
@@ -157,9 +193,9 @@ def dispatch(
     group: Any,
     *,
     async_op: bool = False,
-) -> Exchange | None:
-    """Send the query rows of every task and the KV-prefix rows it needs to its server (one all-to-all-v;
-    KV rows go once per server even when several of its tasks read them)."""
+) -> Chain | None:
+    """Send the query rows of every task and the KV-prefix rows it needs to its server (one all-to-all-v,
+    two with the relay; KV rows go once per server even when several of its tasks read them)."""
     if not prep.communicates:
         return None
     ix, dev = prep.index, prep.device_index(q.device)
@@ -169,8 +205,8 @@ def dispatch(
         (k.index_select(0, kv_rows), ix.send_kv_counts),  # (Nkv, Hkv, D)
         (v.index_select(0, kv_rows), ix.send_kv_counts),  # (Nkv, Hkv, D)
     ]
-    recv = [ix.recv_q_counts, ix.recv_kv_counts, ix.recv_kv_counts]
-    return _start(FWD_DISPATCH, streams, recv, group, async_op)
+    first = _start(FWD_DISPATCH, streams, _received_counts(prep, 1)[0], group, async_op)
+    return chain(first, _relay_forward(prep, FWD_DISPATCH, 1, group, async_op))
 
 
 def compute(
@@ -178,7 +214,7 @@ def compute(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    received: torch.Tensor | None,
+    received: list[torch.Tensor] | None,
     kernel: Kernel,
     sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,10 +222,12 @@ def compute(
     (Tk, Hq, D) and (Tk, Hq) float32. ``sinks`` (Hq,) are applied here, on the server, to every row it
     computes (the returned outputs are final and the kept lse includes the sink); they must be equal on
     every rank (a replicated parameter)."""
-    ix, dev = prep.index, prep.device_index(q.device)
-    rq, rkv, qi, kvi = ix.recv_q_counts, ix.recv_kv_counts, dev.kernel_q_index, dev.kernel_kv_index
+    dev = prep.device_index(q.device)
+    qi, kvi = dev.kernel_q_index, dev.kernel_kv_index
     # (Tk, Hq, D), (Tkv, Hkv, D), (Tkv, Hkv, D)
-    q_kernel, k_kernel, v_kernel = _kernel_rows([q, k, v], received, [rq, rkv, rkv], [qi, kvi, kvi])
+    q_kernel, k_kernel, v_kernel = _kernel_rows(
+        [q, k, v], received, _received_counts(prep, 1), [qi, kvi, kvi]
+    )
     if q_kernel.shape[0]:
         metrics.record_forward_kernel()
     return kernel.forward(q_kernel, k_kernel, v_kernel, prep.kernel_seqs(), prep.window, sinks)
@@ -211,7 +249,7 @@ def gather_outputs(
 ) -> torch.Tensor:
     """This rank's outputs in local row order, (T_local, Hq, D), from its kernel rows and the returned rows
     (of one nano-batch: its rows only, in local order)."""
-    (pool,) = _pools([out_kernel], returned, [prep.index.out_recv_counts])
+    (pool,) = _pools([out_kernel], None if returned is None else [returned], [[prep.index.out_recv_counts]])
     return pool.index_select(0, prep.device_index(out_kernel.device).out_gather)
 
 
@@ -226,7 +264,7 @@ def dispatch_backward(
     group: Any,
     *,
     async_op: bool = False,
-) -> Exchange | None:
+) -> Chain | None:
     """Re-send what the servers need for their backward kernel: q, out and dout rows of their tasks and
     the KV-prefix rows (the servers kept only their log-sum-exp)."""
     if not prep.communicates:
@@ -240,15 +278,15 @@ def dispatch_backward(
         (k.index_select(0, kv_rows), ix.send_kv_counts),  # (Nkv, Hkv, D)
         (v.index_select(0, kv_rows), ix.send_kv_counts),
     ]
-    rq, rkv = ix.recv_q_counts, ix.recv_kv_counts
-    return _start(BWD_DISPATCH, streams, [rq, rq, rq, rkv, rkv], group, async_op)
+    first = _start(BWD_DISPATCH, streams, _received_counts(prep, 3)[0], group, async_op)
+    return chain(first, _relay_forward(prep, BWD_DISPATCH, 3, group, async_op))
 
 
 def compute_backward(
     prep: PreparedAttention,
     fwd: ForwardTensors,
     dout: torch.Tensor,
-    received: torch.Tensor | None,
+    received: list[torch.Tensor] | None,
     kernel: Kernel,
     sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -257,11 +295,11 @@ def compute_backward(
     rows it computed; the shares of all servers sum to the gradient), else None. ``fwd``: this rank's q,
     k, v and output in local row order and the server's log-sum-exp (Tk, Hq) in kernel row order."""
     q, k, v, out, lse = fwd
-    ix, dev = prep.index, prep.device_index(q.device)
-    rq, rkv, qi, kvi = ix.recv_q_counts, ix.recv_kv_counts, dev.kernel_q_index, dev.kernel_kv_index
+    dev = prep.device_index(q.device)
+    qi, kvi = dev.kernel_q_index, dev.kernel_kv_index
     # (Tk, Hq, D) x 3, (Tkv, Hkv, D) x 2
     q_k, o_k, do_k, k_k, v_k = _kernel_rows(
-        [q, out, dout, k, v], received, [rq, rq, rq, rkv, rkv], [qi, qi, qi, kvi, kvi]
+        [q, out, dout, k, v], received, _received_counts(prep, 3), [qi, qi, qi, kvi, kvi]
     )
     return kernel.backward(
         ForwardTensors(q_k, k_k, v_k, o_k, lse), do_k, prep.kernel_seqs(), prep.window, sinks
@@ -272,7 +310,7 @@ def compute_backward(
 class GradReturn:
     """Gradients on their way home: the exchange in flight and this rank's own shares."""
 
-    exchange: Exchange | None
+    exchange: Chain | None
     dq_kernel: torch.Tensor
     """(Tk, Hq, D): dq of every kernel row (rows of other ranks' queries are in the exchange too)."""
     dk_local: torch.Tensor
@@ -294,25 +332,50 @@ def return_grads(
     async_op: bool = False,
 ) -> GradReturn:
     """Sum dk/dv over the tasks of this server that read each KV row, then send dq to the query owners
-    and dk/dv to the KV owners (one all-to-all-v)."""
+    and dk/dv to the KV owners (one all-to-all-v; with the relay, first dk/dv of relayed rows to their
+    relay inside the node, which adds them up, then one all-to-all-v as without it)."""
     ix, dev = prep.index, prep.device_index(dq_kernel.device)
     acc = _accumulation_dtype(dk_kernel.dtype)
-    pool_rows = ix.num_local + sum(ix.recv_kv_counts)
-    dk_pool = dk_kernel.new_zeros(pool_rows, *dk_kernel.shape[1:], dtype=acc)  # (T_local + R_kv, Hkv, D)
+    n, first_rows = ix.num_local, sum(ix.recv_kv_counts)
+    relayed_rows = 0 if ix.relay is None else sum(ix.relay.recv_counts)
+    # (T_local + R_kv [+ R_relayed], Hkv, D)
+    dk_pool = dk_kernel.new_zeros(n + first_rows + relayed_rows, *dk_kernel.shape[1:], dtype=acc)
     dv_pool = dk_pool.clone()
     dk_pool.index_add_(0, dev.kernel_kv_index, dk_kernel.to(acc))
     dv_pool.index_add_(0, dev.kernel_kv_index, dv_kernel.to(acc))
     exchange = None
     if prep.communicates:
-        dtype, n = dk_kernel.dtype, ix.num_local
-        streams = [
-            (dq_kernel.index_select(0, dev.out_send_index), ix.out_send_counts),  # (No, Hq, D)
-            (dk_pool[n:].to(dtype), ix.recv_kv_counts),  # (R_kv, Hkv, D), in the order they arrived
-            (dv_pool[n:].to(dtype), ix.recv_kv_counts),
-        ]
-        recv = [ix.out_recv_counts, ix.send_kv_counts, ix.send_kv_counts]
-        exchange = _start(BWD_RETURN, streams, recv, group, async_op)
-    return GradReturn(exchange, dq_kernel, dk_pool[: ix.num_local], dv_pool[: ix.num_local])
+        dtype = dk_kernel.dtype
+
+        def home(_: torch.Tensor | None = None) -> Exchange:
+            streams = [
+                (dq_kernel.index_select(0, dev.out_send_index), ix.out_send_counts),  # (No, Hq, D)
+                (dk_pool[n : n + first_rows].to(dtype), ix.recv_kv_counts),  # (R_kv, Hkv, D), as they came
+                (dv_pool[n : n + first_rows].to(dtype), ix.recv_kv_counts),
+            ]
+            recv = [ix.out_recv_counts, ix.send_kv_counts, ix.send_kv_counts]
+            return _start(BWD_RETURN, streams, recv, group, async_op)
+
+        if ix.relay is None:
+            exchange = chain(home())
+        else:
+            relay = ix.relay
+            streams = [  # to each relay of this node, in the order it forwarded them
+                (dk_pool[n + first_rows :].to(dtype), relay.recv_counts),  # (R_relayed, Hkv, D)
+                (dv_pool[n + first_rows :].to(dtype), relay.recv_counts),
+            ]
+            to_relays = _start(BWD_RETURN, streams, [relay.send_counts] * 2, group, async_op)
+            shape = dk_pool.shape[1:]
+
+            def sum_then_home(received: torch.Tensor) -> Exchange:
+                dk_back, dv_back = _unpack(received, [relay.send_counts] * 2, [shape, shape])
+                rows = n + dev.relay_send_rows
+                dk_pool.index_add_(0, rows, torch.cat(dk_back).to(acc))
+                dv_pool.index_add_(0, rows, torch.cat(dv_back).to(acc))
+                return home()
+
+            exchange = chain(to_relays, sum_then_home)
+    return GradReturn(exchange, dq_kernel, dk_pool[:n], dv_pool[:n])
 
 
 def gather_grads(
@@ -330,7 +393,7 @@ def gather_grads(
         return dq, dk.to(kv_dtype), dv.to(kv_dtype)
     q_shape, kv_shape = pending.dq_kernel.shape[1:], dk.shape[1:]
     dq_back, dk_back, dv_back = _unpack(
-        pending.exchange.wait(),
+        pending.exchange.wait()[-1],  # the last stage brings them home
         [ix.out_recv_counts, ix.send_kv_counts, ix.send_kv_counts],
         [q_shape, kv_shape, kv_shape],
     )

@@ -6,6 +6,9 @@ Conventions (all ranks derive the same orders from the plan, so no index is ever
   (``CorePlan.kv_ranges``: the KV prefix without a sliding window) held by h, in position order;
 - outputs come back from s to h in exactly the order h sent the queries.
 A server's pools are ``cat([local rows, rows received from rank 0, from rank 1, ...])``.
+
+With a KV relay (:func:`hf_distca.planning.relay.with_relay`) the KV streams above are those of the first
+stage and the KV pool ends with the rows the relays forwarded (``DispatchIndex.relay``).
 """
 
 from __future__ import annotations
@@ -16,6 +19,20 @@ import numpy as np
 
 from hf_distca.planning.tasks import CorePlan
 from hf_distca.planning.window import kv_start
+
+
+@dataclass(frozen=True)
+class RelayIndex:
+    """One rank's part in the second stage of a KV relay (:mod:`hf_distca.planning.relay`): KV rows that
+    crossed nodes once to this rank go on to the servers of its node that read them."""
+
+    ranks_per_node: int
+    send_rows: np.ndarray
+    """As a relay: rows of the first stage's KV receive (every source's rows, in rank order) forwarded to
+    each server of this node, grouped by server in rank order."""
+    send_counts: list[int]
+    recv_counts: list[int]
+    """As a server: rows each relay of this node forwards here (its sources' rows in rank order)."""
 
 
 @dataclass
@@ -51,6 +68,8 @@ class DispatchIndex:
     computed_rows: np.ndarray
     """The local rows whose queries the plan computes, ascending: every local row, except for one part of
     a micro-batch (``build_dispatch_index(..., part=True)``)."""
+    relay: RelayIndex | None = None
+    """The KV relay's second stage on this rank, or None: KV rows go straight from holder to server."""
 
     @property
     def out_recv_counts(self) -> list[int]:
@@ -67,6 +86,18 @@ def _aranges(segments: list[tuple[int, int]]) -> np.ndarray:
     # offsets within the output where each segment begins
     seg_begin = np.repeat(np.cumsum(lens) - lens, lens)
     return np.repeat(starts, lens) + (np.arange(total, dtype=np.int64) - seg_begin)
+
+
+def kv_rows_sent(plan: CorePlan, holder: int, server: int) -> np.ndarray:
+    """Local rows of ``holder`` whose keys and values ``server`` reads, in the KV stream's order (documents
+    ascending, then their key ranges in order)."""
+    ranges = plan.kv_ranges[server]
+    return _aranges([
+        (start, n)
+        for doc in sorted(ranges)
+        for lo, hi in ranges[doc]
+        for _, start, n in plan.index.segments(doc, lo, hi, holder)
+    ])  # fmt: skip
 
 
 def build_dispatch_index(plan: CorePlan, rank: int, *, part: bool = False) -> DispatchIndex:
@@ -91,13 +122,7 @@ def build_dispatch_index(plan: CorePlan, rank: int, *, part: bool = False) -> Di
             for t in plan.tasks[server]
             for _, start, n in index.segments(t.doc_id, t.q_start, t.q_end, rank)
         ]
-        kv_segs = [
-            (start, n)
-            for doc in sorted(plan.kv_ranges[server])
-            for lo, hi in plan.kv_ranges[server][doc]
-            for _, start, n in index.segments(doc, lo, hi, rank)
-        ]
-        q_rows, kv_rows = _aranges(q_segs), _aranges(kv_segs)
+        q_rows, kv_rows = _aranges(q_segs), kv_rows_sent(plan, rank, server)
         send_q.append(q_rows)
         send_kv.append(kv_rows)
         send_q_counts.append(len(q_rows))

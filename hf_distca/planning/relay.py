@@ -1,0 +1,161 @@
+"""The KV relay: a KV row crosses nodes once per destination node, not once per server that reads it.
+
+Without it a holder sends a long document's keys and values to every server that reads them: cut over
+hundreds of ranks, the prefix crosses the same inter-node link once per server. With it (nodes of
+``n = ranks_per_node`` ranks, rank r in node ``r // n`` at lane ``r % n``):
+
+- first stage: a holder sends KV rows to servers of its own node directly, and to each other node that
+  reads any of its rows the union of those rows once, to that node's rank of its own lane (the relay:
+  rail-aligned, so the crossing stays on the holder's NIC rail); query rows go direct as before;
+- second stage, inside each node: the relay forwards each server of its node the rows it reads (a relay
+  that is itself a server reads them where they arrived).
+
+Gradients take the reverse way in backward: servers send the dK/dV of relayed rows to the relay inside
+their node, which sums them and sends one row per union row across nodes. Same rows, same sums: the
+engine's results equal those without the relay (up to the order of the dK/dV sums).
+
+:func:`with_relay` turns one rank's :class:`~hf_distca.planning.DispatchIndex` into its relayed one;
+:func:`relay_kv_bytes` is what the relay moves, for the traffic ledger (:mod:`.traffic`). Pure NumPy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from hf_distca.planning.dispatch import DispatchIndex, RelayIndex, kv_rows_sent
+from hf_distca.planning.tasks import CorePlan
+from hf_distca.planning.window import ranges_length, ranges_union
+
+
+def check_topology(world: int, ranks_per_node: int) -> None:
+    """Raise unless ``world`` ranks fill whole nodes of ``ranks_per_node`` (every relay must exist)."""
+    if world % ranks_per_node:
+        raise ValueError(
+            f"the KV relay needs whole nodes: {world} ranks are not a multiple of ranks_per_node="
+            f"{ranks_per_node}; set DistCAConfig.ranks_per_node to the ranks of one node, or kv_relay=False"
+        )
+
+
+def relay_rank(holder: int, node: int, ranks_per_node: int) -> int:
+    """The rank of ``node`` that relays ``holder``'s KV rows: the one at the holder's lane."""
+    return node * ranks_per_node + holder % ranks_per_node
+
+
+def crosses_nodes(plan: CorePlan, ranks_per_node: int) -> bool:
+    """Whether any KV row of ``plan`` goes to a server in another node (else the relay has nothing to do;
+    every rank reads the same plan, so every rank decides alike)."""
+    for server, per_doc in enumerate(plan.kv_ranges):
+        for doc, ranges in per_doc.items():
+            for lo, hi in ranges:
+                for holder, _, _ in plan.index.segments(doc, lo, hi):
+                    if holder // ranks_per_node != server // ranks_per_node:
+                        return True
+    return False
+
+
+def _split(rows: np.ndarray, counts: list[int]) -> list[np.ndarray]:
+    return np.split(rows, np.cumsum(counts)[:-1])
+
+
+def with_relay(plan: CorePlan, index: DispatchIndex, ranks_per_node: int) -> DispatchIndex:
+    """``index`` (of ``plan``, direct KV streams) with its KV streams through the relay: the first stage's
+    KV send and receive, the second stage (``relay``), and the kernel's KV rows in the relayed pool
+    ``cat([local rows, first stage's KV rows from rank 0, 1, ..., second stage's from rank 0, 1, ...])``.
+    ``index`` unchanged when no KV row crosses nodes."""
+    n, world, me = ranks_per_node, index.world_size, index.rank
+    check_topology(world, n)
+    if world == n or not crosses_nodes(plan, n):
+        return index
+    node, lane = me // n, me % n
+    node_ranks = range(node * n, (node + 1) * n)
+    direct_send = _split(index.send_kv_rows, index.send_kv_counts)  # per server, rank order
+
+    # first stage, as a holder: direct inside the node, one union per other node to its relay
+    send1 = []
+    for dest in range(world):
+        if dest == me or (dest // n != node and dest % n != lane):
+            send1.append(np.zeros(0, dtype=np.int64))
+        elif dest // n == node:
+            send1.append(direct_send[dest])
+        else:
+            other = range(dest // n * n, dest // n * n + n)
+            send1.append(np.unique(np.concatenate([direct_send[s] for s in other])))
+    # as a relay: every remote holder of this lane, the rows each server of this node reads from it
+    remote = [h for h in range(lane, world, n) if h // n != node]
+    reads = {h: {s: kv_rows_sent(plan, h, s) for s in node_ranks} for h in remote}
+    union = {h: np.unique(np.concatenate(list(reads[h].values()))) for h in remote}
+    recv1 = [
+        len(union[src]) if src in union else (index.recv_kv_counts[src] if src // n == node else 0)
+        for src in range(world)
+    ]
+    off1 = np.concatenate([[0], np.cumsum(recv1)]).astype(np.int64)
+
+    # second stage, as a relay: each server of the node gets its rows, per holder in rank order
+    send2 = [
+        np.concatenate([off1[h] + np.searchsorted(union[h], reads[h][s]) for h in remote])
+        if s // n == node and s != me and remote
+        else np.zeros(0, dtype=np.int64)
+        for s in range(world)
+    ]
+    # as a server: each relay of the node forwards the rows of its lane's remote holders, in rank order
+    recv2 = [0] * world
+    within = np.zeros(world, dtype=np.int64)  # where a remote holder's rows start in its relay's block
+    for src in range(world):
+        if src // n != node:
+            r = relay_rank(src, node, n)
+            if r != me:
+                within[src] = recv2[r]
+                recv2[r] += index.recv_kv_counts[src]
+    off2 = int(off1[-1]) + np.concatenate([[0], np.cumsum(recv2)]).astype(np.int64)
+
+    # the kernel's KV rows: direct pool position -> relayed pool position
+    moved = []
+    for src, count in enumerate(index.recv_kv_counts):
+        if not count:
+            continue
+        if src // n == node:
+            moved.append(off1[src] + np.arange(count))
+        elif relay_rank(src, node, n) == me:
+            moved.append(off1[src] + np.searchsorted(union[src], reads[src][me]))
+        else:
+            moved.append(off2[relay_rank(src, node, n)] + within[src] + np.arange(count))
+    to_relayed = index.num_local + np.concatenate([np.zeros(0, dtype=np.int64), *moved])
+    kernel_kv = index.kernel_kv_index.copy()
+    received = kernel_kv >= index.num_local
+    kernel_kv[received] = to_relayed[kernel_kv[received] - index.num_local]
+    return dataclasses.replace(
+        index,
+        send_kv_rows=np.concatenate(send1),
+        send_kv_counts=[len(x) for x in send1],
+        recv_kv_counts=recv1,
+        kernel_kv_index=kernel_kv,
+        relay=RelayIndex(n, np.concatenate(send2), [len(x) for x in send2], recv2),
+    )
+
+
+def relay_kv_bytes(plan: CorePlan, kv_row_bytes: int, ranks_per_node: int) -> tuple[np.ndarray, np.ndarray]:
+    """KV bytes of one forward dispatch through the relay, ``(first, second)`` stage, each (world, world)
+    ``[sender, receiver]`` (what :func:`with_relay`'s streams carry; query rows are not in them)."""
+    world, n = plan.world_size, ranks_per_node
+    first = np.zeros((world, world))
+    second = np.zeros((world, world))
+    spans: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (holder, destination node) -> its rows
+    for server, per_doc in enumerate(plan.kv_ranges):
+        for doc, ranges in per_doc.items():
+            for lo, hi in ranges:
+                for holder, start, rows in plan.index.segments(doc, lo, hi):
+                    if holder == server:
+                        continue
+                    if holder // n == server // n:
+                        first[holder, server] += rows * kv_row_bytes
+                        continue
+                    spans.setdefault((holder, server // n), []).append((start, start + rows))
+                    relay = relay_rank(holder, server // n, n)
+                    if relay != server:
+                        second[relay, server] += rows * kv_row_bytes
+    for (holder, node), intervals in spans.items():
+        rows = ranges_length(ranges_union(intervals, []))  # each row once
+        first[holder, relay_rank(holder, node, n)] += rows * kv_row_bytes
+    return first, second
