@@ -11,12 +11,13 @@ slow.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 from oracle import TOL, Layout, long_tailed_lengths, pack_sequential
 from test_planner import KV_ROW, Q_ROW, SETTINGS, check_plan, layouts, owner_map
@@ -200,6 +201,65 @@ def test_fast_link_gives_the_balance_only_plan_on_realistic_batches():
     ref = _plan(pieces, DistCAConfig(tolerance=fast.balance_tolerance), q_row=8192, kv_row=4096)
     plan = _plan(pieces, fast, q_row=8192, kv_row=4096)
     assert ref.moves > 10 and plan.digest() == ref.digest()
+
+
+@SETTINGS
+@given(
+    layout=layouts(),
+    config=priced_configs,
+    per=st.sampled_from([1, 2, 3]),
+    window=st.sampled_from([None, 24]),
+)
+def test_relay_priced_plans_valid_and_never_slower(layout, config, per, window):
+    """Planned with KV through the relay (DistCAConfig(kv_relay=True)): a valid plan whose bytes are the
+    relayed ledger's, the greedy's running bookkeeping equal to that ledger priced again (the planner raises
+    otherwise), never slower under the relay's pricing than computing every rank's own pieces or than the
+    balance-only plan, and moving work only where it lowered the critical path."""
+    assume(layout.world % per == 0)
+    config = dataclasses.replace(config, ranks_per_node=per, kv_relay=True)
+    plan = plan_core_attention(
+        layout.pieces,
+        q_row_bytes=Q_ROW,
+        kv_row_bytes=KV_ROW,
+        config=config,
+        flops_per_pair=FLOPS,
+        window=window,
+    )
+    link = link_model_from_config(config, CausalPairsCost(window), FLOPS)
+    direct = traffic.forward_bytes(plan, traffic.plan_traffic(plan))
+    as_direct = dataclasses.replace(plan, bytes_sent=direct[0], bytes_received=direct[1])
+    check_plan(as_direct, layout, config)  # the invariants of any plan, its bytes on the direct route
+    simulate_dispatch(as_direct, layout)
+    assert (plan.bytes_sent, plan.bytes_received) == traffic.forward_bytes(
+        plan, traffic.plan_traffic(plan, per, True)
+    )
+    rtol, _ = TOL["critical_path"]
+    assert plan.critical_path_after == pytest.approx(plan_critical_path(plan, link), rel=1e-12)
+    assert plan.critical_path_after <= plan.critical_path_before * (1 + rtol)
+    balance_only = plan_core_attention(
+        layout.pieces, q_row_bytes=Q_ROW, kv_row_bytes=KV_ROW, config=_unpriced(config), window=window
+    )
+    assert plan.critical_path_after <= plan_critical_path(balance_only, link) * (1 + rtol)
+    if plan.moves:
+        assert plan.critical_path_after < plan.critical_path_before
+
+
+def test_relay_pricing_lets_a_long_document_spread_over_nodes():
+    """A long document on rank 0 of 4 nodes of 2 ranks, short ones elsewhere, a slow inter-node link: with KV
+    priced through the relay (its prefix crosses to a node once, whichever servers there read it) the
+    planner moves more of it to other nodes than when every server's prefix crosses on its own, and the
+    relayed plan is faster under the relay's pricing."""
+    pieces = [[(0, 0, 4096)]] + [[(r, 0, 256)] for r in range(1, 8)]
+    base = DistCAConfig(shard_tokens=64, tolerance=0.02, link_gib_per_s=3e-3, intra_node_gib_per_s=0.3,
+                        ranks_per_node=2, attention_tflops=1e-3)  # fmt: skip
+    relay = dataclasses.replace(base, kv_relay=True)
+    direct, relayed = _plan(pieces, base), _plan(pieces, relay)
+    link = link_model_from_config(relay, CausalPairsCost(), FLOPS)
+    off_node = [
+        sum(t.q_len for r in range(2, 8) for t in p.tasks[r] if t.doc_id == 0) for p in (direct, relayed)
+    ]
+    assert off_node[1] > off_node[0], off_node
+    assert plan_critical_path(relayed, link) < plan_critical_path(direct, link)
 
 
 @st.composite

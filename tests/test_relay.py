@@ -147,3 +147,5 @@ def test_relay_sends_each_row_once_per_node():
 def test_relay_needs_whole_nodes():
     with pytest.raises(ValueError, match="multiple of ranks_per_node=4"):
         check_topology(6, 4)
+    check_topology(3, 4)  # one node, not full: nothing to relay
+    check_topology(8, 4)

@@ -26,8 +26,20 @@ from hf_distca.config import DistCAConfig
 from hf_distca.planning.cost import CausalPairsCost
 from hf_distca.planning.links import Changes, LinkModel, PhaseTimes
 from hf_distca.planning.pieces import DocIndex
+from hf_distca.planning.relay import relay_rank
 from hf_distca.planning.tasks import CATask
-from hf_distca.planning.traffic import INTER, INTRA, KV_IN, KV_OUT, Q_IN, Q_OUT, add_bytes, link_classes
+from hf_distca.planning.traffic import (
+    INTER,
+    INTRA,
+    KV_IN,
+    KV_OUT,
+    Q_IN,
+    Q_OUT,
+    add_bytes,
+    kv_ranges_relay_traffic,
+    link_classes,
+    relays,
+)
 from hf_distca.planning.window import Ranges, attended_pairs, kv_ranges, kv_start, ranges_minus, ranges_union
 
 FREE_LINKS = LinkModel(math.inf, math.inf, None, 0.0, 1.0)
@@ -173,8 +185,21 @@ class Balancer:
         self.comm: list[float] = [self.traffic.now] if link is not None else []
         self.path: list[float] = [self.critical_path()] if link is not None else []
 
+    @property
+    def relayed(self) -> bool:
+        """Whether KV rows are priced through the per-node relay (:mod:`hf_distca.planning.relay`)."""
+        link = self.link
+        return link is not None and relays(link.kv_relay, link.ranks_per_node, self.index.world_size)
+
     def _initial_traffic(self) -> Changes:
         """Bytes of the start (every server its own pieces): each server's KV prefixes from their holders."""
+        if self.relayed:
+            kv = [{doc: s.kv(doc, self.window) for doc in s.intervals} for s in self.servers]
+            total = kv_ranges_relay_traffic(kv, self.index, self.kv_row, self.link.ranks_per_node)
+            return {
+                int(r): [total[r, INTRA].tolist(), total[r, INTER].tolist()]
+                for r in np.flatnonzero(total.any(axis=(1, 2)))
+            }
         docs, starts, ends, servers = [], [], [], []
         for s in self.servers:
             for doc in s.intervals:
@@ -296,11 +321,59 @@ class Balancer:
         moved = segments(doc, x, y)
         add(changes, moved, src.rank, Q_OUT, Q_IN, -self.q_row)
         add(changes, moved, dst.rank, Q_OUT, Q_IN, self.q_row)
-        for lo, hi in self.kv_added(dst, doc, x, y):
+        added, freed = self.kv_added(dst, doc, x, y), self.kv_freed(src, doc, x, y)
+        if self.relayed:
+            self._relay_changes(changes, src, dst, doc, added, freed)
+            return changes
+        for lo, hi in added:
             add(changes, segments(doc, lo, hi), dst.rank, KV_OUT, KV_IN, self.kv_row)
-        for lo, hi in self.kv_freed(src, doc, x, y):
+        for lo, hi in freed:
             add(changes, segments(doc, lo, hi), src.rank, KV_OUT, KV_IN, -self.kv_row)
         return changes
+
+    def _relay_changes(
+        self, changes: Changes, src: _Server, dst: _Server, doc: int, added: Ranges, freed: Ranges
+    ) -> None:
+        """KV byte deltas through the relay of ``dst`` reading ``added`` and ``src`` no longer reading
+        ``freed``: a node's rows cross (holder to its relay in the node) once for all its servers, so the
+        first stage changes by what the node's union of key ranges gains or loses; the second stage (or a
+        holder inside the node, directly) sends each server its own ranges."""
+        n, window = self.link.ranks_per_node, self.window
+
+        def pair(sender: int, receiver: int, nbytes: float) -> None:
+            c = INTER if sender // n != receiver // n else INTRA
+            for rank, col in ((sender, KV_OUT), (receiver, KV_IN)):
+                row = changes.get(rank)
+                if row is None:
+                    row = changes[rank] = [[0.0] * 4, [0.0] * 4]
+                row[c][col] += nbytes
+
+        after = {
+            dst.rank: ranges_union(dst.kv(doc, window), added),
+            src.rank: ranges_minus(src.kv(doc, window), freed),
+        }
+        for node in {src.rank // n, dst.rank // n}:
+            members = [r for r in self.serving[doc] | after.keys() if r // n == node]
+            before_union: Ranges = []
+            after_union: Ranges = []
+            for r in members:
+                now = self.servers[r].kv(doc, window)
+                before_union = ranges_union(before_union, now)
+                after_union = ranges_union(after_union, after.get(r, now))
+            for ranges, sign in (
+                (ranges_minus(after_union, before_union), 1.0),
+                (ranges_minus(before_union, after_union), -1.0),
+            ):
+                for lo, hi in ranges:
+                    for h, rows in self.segments(doc, lo, hi):
+                        if h // n != node:  # crosses once, to the holder's relay in the node
+                            pair(h, relay_rank(h, node, n), sign * rows * self.kv_row)
+        for server, ranges, sign in ((dst.rank, added, 1.0), (src.rank, freed, -1.0)):
+            for lo, hi in ranges:
+                for h, rows in self.segments(doc, lo, hi):
+                    sender = h if h // n == server // n else relay_rank(h, server // n, n)
+                    if sender != server:
+                        pair(sender, server, sign * rows * self.kv_row)
 
     def kv_added(self, dst: _Server, doc: int, x: int, y: int) -> Ranges:
         """Key ranges ``dst`` starts reading when it takes queries [x, y) of ``doc``."""

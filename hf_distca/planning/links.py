@@ -82,6 +82,10 @@ class LinkModel:
     windows: tuple[tuple[float, float], ...] = ()
     """Per all-to-all phase of a layer, (its share of the layer's transfer time, seconds of other work it
     flies behind) (:func:`hiding_window`); empty: no such work."""
+    kv_relay: bool = False
+    """KV rows through the per-node relay (``DistCAConfig.kv_relay``, :mod:`hf_distca.planning.relay`):
+    priced with their two stages in one table, moving at once like the link classes (the second stage
+    runs inside a node, after the first)."""
 
     def link_class(self, a: int, b: int) -> int:
         """The link class of ranks ``a`` and ``b`` (:func:`~hf_distca.planning.traffic.link_classes`)."""
@@ -162,6 +166,7 @@ def link_model_from_config(config: Any, cost_model: Any, flops_per_pair: float |
         ranks_per_node=config.ranks_per_node,
         overlap=config.comm_overlap,
         seconds_per_cost_unit=seconds_per_cost_unit(cost_model, flops_per_pair, config.attention_tflops),
+        kv_relay=config.kv_relay,
     )
 
 
@@ -224,7 +229,7 @@ def plan_critical_path(
     cost, default the plan's ``load_after``; ``table``: the plan's
     :func:`~hf_distca.planning.traffic.plan_traffic` with the link's topology, when already computed)."""
     loads = plan.load_after if loads is None else loads
-    table = plan_traffic(plan, link.ranks_per_node) if table is None else table
+    table = plan_traffic(plan, link.ranks_per_node, link.kv_relay) if table is None else table
     comm = link.comm_seconds(link.phase_seconds(table))
     return link.critical_path(max(loads, default=0.0), comm)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 from collections.abc import Sequence
 
 from hf_distca.config import DistCAConfig
@@ -171,10 +172,16 @@ def _finish(
         balance_level=level,
         window=window,
     )
-    table = plan_traffic(plan, link.ranks_per_node if link is not None else None)  # (ranks, 2, 4)
+    per_node, relay = (link.ranks_per_node, link.kv_relay) if link is not None else (None, False)
+    table = plan_traffic(plan, per_node, relay)  # (ranks, 2, 4), as the link model prices it
     plan.bytes_sent, plan.bytes_received = forward_bytes(plan, table)
     if link is not None:
         plan.critical_path_after = plan_critical_path(plan, link, table=table)
+        if balancer.path and not math.isclose(balancer.path[-1], plan.critical_path_after, rel_tol=1e-9):
+            raise AssertionError(
+                f"planner bug: the greedy priced {balancer.path[-1]!r} s, the plan's own bytes give "
+                f"{plan.critical_path_after!r} s"
+            )
         plan.critical_path_before = (
             plan.critical_path_after if critical_path_before is None else critical_path_before
         )

@@ -30,8 +30,9 @@ from hf_distca.planning.window import ranges_length, ranges_union
 
 
 def check_topology(world: int, ranks_per_node: int) -> None:
-    """Raise unless ``world`` ranks fill whole nodes of ``ranks_per_node`` (every relay must exist)."""
-    if world % ranks_per_node:
+    """Raise unless ``world`` ranks fill whole nodes of ``ranks_per_node`` (every relay must exist) or one
+    node (nothing to relay)."""
+    if world > ranks_per_node and world % ranks_per_node:
         raise ValueError(
             f"the KV relay needs whole nodes: {world} ranks are not a multiple of ranks_per_node="
             f"{ranks_per_node}; set DistCAConfig.ranks_per_node to the ranks of one node, or kv_relay=False"
@@ -138,14 +139,26 @@ def with_relay(plan: CorePlan, index: DispatchIndex, ranks_per_node: int) -> Dis
 def relay_kv_bytes(plan: CorePlan, kv_row_bytes: int, ranks_per_node: int) -> tuple[np.ndarray, np.ndarray]:
     """KV bytes of one forward dispatch through the relay, ``(first, second)`` stage, each (world, world)
     ``[sender, receiver]`` (what :func:`with_relay`'s streams carry; query rows are not in them)."""
-    world, n = plan.world_size, ranks_per_node
+    return relay_kv_matrices(plan.kv_ranges, plan.index, plan.world_size, kv_row_bytes, ranks_per_node)
+
+
+def relay_kv_matrices(
+    kv_ranges: list[dict[int, list[tuple[int, int]]]],
+    index,
+    world: int,
+    kv_row_bytes: int,
+    ranks_per_node: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`relay_kv_bytes` of servers reading ``kv_ranges`` (per server, doc -> key ranges) from the
+    holders of ``index`` (a :class:`~hf_distca.planning.DocIndex`): the planner's start as well as a plan."""
+    n = ranks_per_node
     first = np.zeros((world, world))
     second = np.zeros((world, world))
     spans: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (holder, destination node) -> its rows
-    for server, per_doc in enumerate(plan.kv_ranges):
+    for server, per_doc in enumerate(kv_ranges):
         for doc, ranges in per_doc.items():
             for lo, hi in ranges:
-                for holder, start, rows in plan.index.segments(doc, lo, hi):
+                for holder, start, rows in index.segments(doc, lo, hi):
                     if holder == server:
                         continue
                     if holder // n == server // n:

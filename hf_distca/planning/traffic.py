@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from hf_distca.planning.relay import relay_kv_bytes
+from hf_distca.planning.relay import check_topology, relay_kv_bytes, relay_kv_matrices
 
 PHASES = ("fwd.dispatch", "fwd.return", "bwd.dispatch", "bwd.return")
 """The engine's all-to-all phases of one layer, in the order they run (the names of its stages)."""
@@ -166,11 +166,52 @@ def plan_rows(plan: Any) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]
     return out[0], out[1]
 
 
-def plan_traffic(plan: Any, ranks_per_node: int | None = None) -> np.ndarray:
+def plan_traffic(plan: Any, ranks_per_node: int | None = None, kv_relay: bool = False) -> np.ndarray:
     """Bytes of one forward dispatch per rank and link class, (ranks, 2, 4) with columns Q_OUT, KV_OUT,
-    Q_IN, KV_IN, from a :class:`~hf_distca.planning.CorePlan`'s tasks and key ranges."""
+    Q_IN, KV_IN, from a :class:`~hf_distca.planning.CorePlan`'s tasks and key ranges; ``kv_relay``: KV
+    rows through the relay (:mod:`hf_distca.planning.relay`) where the ranks span nodes, both stages in the
+    one table (the relay's own rows as KV_IN of the first stage and KV_OUT of the second)."""
     q_rows, kv_rows = plan_rows(plan)
-    return rows_traffic(plan.world_size, q_rows, kv_rows, plan.q_row_bytes, plan.kv_row_bytes, ranks_per_node)
+    if not relays(kv_relay, ranks_per_node, plan.world_size):
+        return rows_traffic(
+            plan.world_size, q_rows, kv_rows, plan.q_row_bytes, plan.kv_row_bytes, ranks_per_node
+        )
+    empty = tuple(np.zeros(0, dtype=np.int64) for _ in range(3))
+    table = rows_traffic(plan.world_size, q_rows, empty, plan.q_row_bytes, plan.kv_row_bytes, ranks_per_node)
+    for matrix in relay_kv_bytes(plan, plan.kv_row_bytes, ranks_per_node):
+        table += matrix_traffic(matrix, KV_OUT, KV_IN, ranks_per_node)
+    return table
+
+
+def relays(kv_relay: bool, ranks_per_node: int | None, world: int) -> bool:
+    """Whether KV goes through the relay: asked for, with a topology, over more than one node (raises when
+    the ranks do not fill whole nodes)."""
+    if not kv_relay or ranks_per_node is None:
+        return False
+    check_topology(world, ranks_per_node)
+    return world > ranks_per_node
+
+
+def matrix_traffic(matrix: np.ndarray, out_col: int, in_col: int, ranks_per_node: int | None) -> np.ndarray:
+    """The (world, 2, 4) table of a (world, world) ``[sender, receiver]`` byte matrix: the sender's bytes
+    in ``out_col``, the receiver's in ``in_col``, on their pair's link class."""
+    table = np.zeros((matrix.shape[0], 2, 4))
+    sender, receiver = np.nonzero(matrix)
+    link_class = link_classes(sender, receiver, ranks_per_node)
+    add_bytes(table, sender, link_class, out_col, matrix[sender, receiver])
+    add_bytes(table, receiver, link_class, in_col, matrix[sender, receiver])
+    return table
+
+
+def kv_ranges_relay_traffic(
+    kv_ranges: list[dict[int, list[tuple[int, int]]]], index: Any, kv_row_bytes: int, ranks_per_node: int
+) -> np.ndarray:
+    """The (world, 2, 4) KV columns of servers reading ``kv_ranges`` through the relay (the planner's start)."""
+    world = index.world_size
+    table = np.zeros((world, 2, 4))
+    for matrix in relay_kv_matrices(kv_ranges, index, world, kv_row_bytes, ranks_per_node):
+        table += matrix_traffic(matrix, KV_OUT, KV_IN, ranks_per_node)
+    return table
 
 
 def plan_bytes(plan: Any, kv_relay: int | None = None) -> np.ndarray:
