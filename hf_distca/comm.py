@@ -97,15 +97,14 @@ class Chain:
     what the one before it received; ``wait()`` returns every stage's received buffer, in order."""
 
     exchanges: list[Exchange]
-    side: Any = None
-    """The CUDA stream the later stages were started from, or None (on the CPU, or with one stage)."""
+    started: Any = None
+    """On CUDA, an event on the side stream once it has started the later stages (the first stage waited
+    for there); None on the CPU or with one stage."""
 
     def wait(self) -> list[torch.Tensor]:
-        if (
-            self.side is not None
-        ):  # the first stage was waited for on the side stream, and the rest queued after it
-            torch.cuda.current_stream(self.side.device).wait_stream(self.side)
-            self.side = None
+        if self.started is not None:  # this chain's point on the side stream, not whatever came after it
+            torch.cuda.current_stream(self.exchanges[0].recv.device).wait_event(self.started)
+            self.started = None
             self.exchanges[0].work = None
         return [exchange.wait() for exchange in self.exchanges]
 
@@ -124,15 +123,19 @@ def chain(first: Exchange, then: Callable[[torch.Tensor], Exchange] | None = Non
     if not first.recv.is_cuda:
         return Chain([first, then(first.wait())])
     device = first.recv.device
-    side = _side_streams.setdefault(str(device), torch.cuda.Stream(device))
+    side = _side_streams.get(str(device))
+    if side is None:
+        side = _side_streams[str(device)] = torch.cuda.Stream(device)
     current = torch.cuda.current_stream(device)
     side.wait_stream(current)
     with torch.cuda.stream(side):
         if first.work is not None:
             first.work.wait()  # the side stream waits for the first stage, not the host
         second = then(first.recv)
+        started = torch.cuda.Event()
+        started.record(side)
     second.recv.record_stream(current)  # made on the side stream, read on the current one
-    return Chain([first, second], side)
+    return Chain([first, second], started)
 
 
 _signal_only = False

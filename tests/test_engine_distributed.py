@@ -27,6 +27,7 @@ from hf_distca import engine as eng
 from hf_distca.engine import clear_plan_cache
 from hf_distca.kernels import ForwardTensors, reference_varlen_attention
 from hf_distca.planning import attention_flops_per_pair, build_dispatch_index, forward_flops_per_pair, traffic
+from hf_distca.planning.nano import nano_plans
 from hf_distca.planning.relay import relay_kv_bytes
 
 D = 8
@@ -279,7 +280,12 @@ def _check_attention_case(case: dict, per_rank: list[dict], world: int) -> dict:
         ):
             assert got.dtype == dtype and got.shape[0] == len(rows)
             assert_close(got, want[rows], case["dtype"], f"{label} rank {rank} {name}")
-        if case["config"].ping_pong:  # nano-batches cut the plan's tasks: oracle only, same plan
+        cfg = case["config"]
+        if cfg.ping_pong:  # nano-batches cut the plan's tasks: oracle, and each part's bytes the ledger's
+            parts = nano_plans(plan, cfg.shard_tokens, cfg.ping_pong_split)
+            relay = cfg.ranks_per_node if cfg.kv_relay else None
+            ledger = sum(traffic.plan_bytes(part, relay) for part in parts)
+            assert nonzero(res["total"].phase_bytes) == phase_counts(ledger, rank, 1, 1), label
             continue
         assert_close(res["out"], exact[rows], "exact", f"{label} rank {rank} out vs replay")
         # metrics: per-server FLOPs of the plan; one forward kernel per call on a server with tasks; bytes
@@ -319,7 +325,8 @@ def _check_attention_case(case: dict, per_rank: list[dict], world: int) -> dict:
         assert plan.imbalance_after <= (1 + cfg.balance_tolerance) * (1 + TOL["balance"][0]), label
     return {"name": case.get("name", layout.name), "moves": plan.moves, "moved": plan.load_after != plan.load_before,
             "achievable": achievable, "bytes": sum(plan.bytes_sent),
-            "relayed": bool(cfg.kv_relay and relay_kv_bytes(plan, 1, cfg.ranks_per_node)[1].sum())}  # fmt: skip
+            "relayed": bool(cfg.kv_relay and relay_kv_bytes(plan, 1, cfg.ranks_per_node)[1].sum()),
+            "exchanges": sum(res["total"].exchanges for res in per_rank)}  # fmt: skip
 
 
 def _check_error_case(case: dict, per_rank: list[dict], world: int) -> None:

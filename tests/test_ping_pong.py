@@ -514,15 +514,16 @@ def _gpu_engine_check(rank: int, world: int) -> int:
     import gpu_nccl_engine_check
 
     return gpu_nccl_engine_check.main(
-        ["--backend", "gloo", "--cpu", "--repeat", "1", "--ranks-per-node", "1"]
+        ["--backend", "gloo", "--cpu", "--repeat", "1", "--ranks-per-node", "2"]
     )
 
 
 def test_gpu_engine_check_script_on_cpu():
-    """tests/gpu_nccl_engine_check.py, the GPU check of every schedule (serial, ping-pong with each split) in
-    bf16 against the float64 oracle, run as on GPUs but on 2 gloo CPU processes: it passes (exit code 0 on
-    every rank), so the script the GPU runs use cannot rot unseen."""
-    assert run_distributed(_gpu_engine_check, 2) == [0, 0]
+    """tests/gpu_nccl_engine_check.py, the GPU check of every schedule (serial, ping-pong with each split, and
+    both through the KV relay) in bf16 against the float64 oracle, run as on GPUs but on 4 gloo CPU processes
+    in 2 "nodes": it passes (exit code 0 on every rank; it fails when the relay forwarded nothing), so the
+    script the GPU runs use cannot rot unseen."""
+    assert run_distributed(_gpu_engine_check, 4) == [0] * 4
 
 
 # ---------------------------------------------------------------------------- the GPU benchmark

@@ -16,7 +16,8 @@ from oracle import Layout, named_layouts
 
 from hf_distca import DistCAConfig, plan_core_attention
 from hf_distca.planning import build_dispatch_index, traffic
-from hf_distca.planning.relay import check_topology, relay_kv_bytes, with_relay
+from hf_distca.planning.nano import nano_plans
+from hf_distca.planning.relay import check_topology, forwards, relay_kv_bytes, with_relay
 
 Q_ROW, KV_ROW = 64, 48
 
@@ -31,19 +32,39 @@ def _cases():
             yield pytest.param(layout, per_node, id=f"{layout.name}-{world}x{per_node}")
 
 
-def _plan(layout: Layout):
+def _plan(layout: Layout, window: int | None = None):
     config = DistCAConfig(shard_tokens=8, tolerance=0.05)
-    return plan_core_attention(layout.pieces, q_row_bytes=Q_ROW, kv_row_bytes=KV_ROW, config=config)
+    return plan_core_attention(
+        layout.pieces, q_row_bytes=Q_ROW, kv_row_bytes=KV_ROW, config=config, window=window
+    )
 
 
+@pytest.mark.parametrize("window", [None, 16])
 @pytest.mark.parametrize(("layout", "per_node"), list(_cases()))
-def test_relay_moves_the_direct_rows(layout: Layout, per_node: int):
-    plan, world = _plan(layout), layout.world
-    direct = [build_dispatch_index(plan, r) for r in range(world)]
+def test_relay_moves_the_direct_rows(layout: Layout, per_node: int, window: int | None):
+    """The whole plan and each of its ping-pong nano-batches (whose indices cover part of the rows)."""
+    plan = _plan(layout, window)
+    relayed_any = False
+    for part, is_part in [(plan, False), *((p, True) for p in nano_plans(plan, 8, "local_first"))]:
+        relayed_any |= _check_relay(part, layout, per_node, is_part)
+    assert relayed_any == forwards(plan, per_node)
+
+
+def test_relay_forwards_in_most_cases():
+    """The cases above are not vacuous: in most of them the relay forwards rows inside a node."""
+    cases = [p.values for p in _cases()]
+    forwarding = sum(forwards(_plan(layout), per_node) for layout, per_node in cases)
+    assert forwarding >= 0.75 * len(cases), (forwarding, len(cases))
+
+
+def _check_relay(plan, layout: Layout, per_node: int, part: bool) -> bool:
+    """Both stages and the way back, on labels, for one plan; whether the relay forwarded anything."""
+    world = layout.world
+    direct = [build_dispatch_index(plan, r, part=part) for r in range(world)]
     relayed = [with_relay(plan, ix, per_node) for ix in direct]
-    if all(ix.relay is None for ix in relayed):
-        assert relayed == direct
-        return
+    if all(ix.relay is None for ix in relayed):  # nothing to forward: the direct route itself
+        assert all(r is d for r, d in zip(relayed, direct, strict=True)) and not forwards(plan, per_node)
+        return False
     assert all(ix.relay is not None for ix in relayed), "every rank joins the second stage"
     local = [layout.rows(r) for r in range(world)]
     rng = np.random.default_rng(0)
@@ -96,6 +117,7 @@ def test_relay_moves_the_direct_rows(layout: Layout, per_node: int):
         np.add.at(mine, ix.send_kv_rows, np.concatenate([stage_b[s][h] for s in range(world)]))
         got[local[h]] = mine
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    return bool(moved[1].any())
 
 
 def _direct_kv(direct, server: int):
@@ -120,8 +142,16 @@ def test_relay_crosses_nodes_less(layout: Layout, per_node: int):
     across = node[:, None] != node[None, :]
     assert first[across].sum() <= kv[across].sum()
     assert second[across].sum() == 0
-    relayed = traffic.plan_bytes(plan, per_node)  # (phases, ranks, [sent, received])
-    assert (relayed[:, :, 0].sum(axis=1) == relayed[:, :, 1].sum(axis=1)).all()
+    relayed, direct = traffic.plan_bytes(plan, per_node), traffic.plan_bytes(plan)  # (phases, ranks, 2)
+    ret = traffic.PHASES.index("fwd.return")  # outputs only: the relay does not touch them
+    np.testing.assert_array_equal(relayed[ret], direct[ret])
+    kv_phases = [traffic.PHASES.index(p) for p in ("fwd.dispatch", "bwd.dispatch", "bwd.return")]
+    # per KV phase, all ranks together move the direct route's bytes, less what no longer crosses to every
+    # reader, plus what the relays forward
+    for p in kv_phases:
+        saved = (kv - first).sum() * traffic.CARRIES[p, :, traffic.KV].sum()
+        added = second.sum() * traffic.CARRIES[p, :, traffic.KV].sum()
+        assert relayed[p, :, 0].sum() == direct[p, :, 0].sum() - saved + added
 
 
 def test_relay_sends_each_row_once_per_node():

@@ -88,10 +88,15 @@ def test_readme_demo_launch_trains(tmp_path):
 @pytest.mark.slow
 def test_recipe_exact_across_world_sizes(tmp_path):
     # 4 ranks also recompute activations in backward (gradient checkpointing; rematerialization-aware by
-    # default, so core attention is not run again), and the result must not change; 2 ranks plan each
-    # micro-batch in the background (DistCAConfig.prefetch_plans), and the result must not change either
+    # default, so core attention is not run again) and send KV across their 2 "nodes" of 2 ranks through the
+    # relay (DistCAConfig.kv_relay), and the result must not change; 2 ranks plan each micro-batch in the
+    # background (DistCAConfig.prefetch_plans), and the result must not change either
     # one launch per world size (the baseline without disaggregation rides with the 2-rank run)
-    extra = {1: [], 2: ["--prefetch-plans"], 4: ["--gradient-checkpointing"]}
+    extra = {
+        1: [],
+        2: ["--prefetch-plans"],
+        4: ["--gradient-checkpointing", "--ranks-per-node", "2", "--kv-relay"],
+    }
     for world, flags in extra.items():
         argvs = [recipe_argv(world, tmp_path / f"w{world}", *flags)]
         if world == 2:
@@ -124,6 +129,8 @@ def test_recipe_exact_across_world_sizes(tmp_path):
         assert all(type(x) is int for r in records for k in ("bytes_sent", "engine_calls") for x in r[k])
         if world == 4:  # 2 layers x 2 micro-batches; the recompute reuses the attention outputs
             assert all(r["engine_calls"] == [4] * 4 and 0 < max(r["attn_fwd_kernels"]) <= 4 for r in records)
+            # the relay ran: more all-to-alls than the 4 phases of each call (KV phases in two stages)
+            assert any(max(r["exchanges"]) > 4 * 4 for r in records), [r["exchanges"] for r in records]
         # with prefetch_plans, plans of the micro-batches loaded after the engine's first plan (which gives
         # the context) come from the background, on every rank alike; without it none
         prefetched = [r["plans_prefetched"] for r in records]

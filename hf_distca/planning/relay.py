@@ -12,7 +12,8 @@ hundreds of ranks, the prefix crosses the same inter-node link once per server. 
 
 Gradients take the reverse way in backward: servers send the dK/dV of relayed rows to the relay inside
 their node, which sums them and sends one row per union row across nodes. Same rows, same sums: the
-engine's results equal those without the relay (up to the order of the dK/dV sums).
+engine's results equal those without the relay, up to the dK/dV sums: added in another order, and in
+half precision rounded once more (the relay's partial sum on its way home).
 
 :func:`with_relay` turns one rank's :class:`~hf_distca.planning.DispatchIndex` into its relayed one;
 :func:`relay_kv_bytes` is what the relay moves, for the traffic ledger (:mod:`.traffic`). Pure NumPy.
@@ -24,7 +25,7 @@ import dataclasses
 
 import numpy as np
 
-from hf_distca.planning.dispatch import DispatchIndex, RelayIndex, kv_rows_sent
+from hf_distca.planning.dispatch import DispatchIndex, RelayIndex
 from hf_distca.planning.tasks import CorePlan
 from hf_distca.planning.window import ranges_length, ranges_union
 
@@ -44,16 +45,33 @@ def relay_rank(holder: int, node: int, ranks_per_node: int) -> int:
     return node * ranks_per_node + holder % ranks_per_node
 
 
-def crosses_nodes(plan: CorePlan, ranks_per_node: int) -> bool:
-    """Whether any KV row of ``plan`` goes to a server in another node (else the relay has nothing to do;
-    every rank reads the same plan, so every rank decides alike)."""
+def forwards(plan: CorePlan, ranks_per_node: int) -> bool:
+    """Whether the relay would forward anything: some KV row crosses nodes to a server that is not its
+    holder's relay there (else every crossing already goes to its relay, and the relay is the direct
+    route). Every rank reads the same plan, so every rank decides alike."""
+    n = ranks_per_node
     for server, per_doc in enumerate(plan.kv_ranges):
         for doc, ranges in per_doc.items():
             for lo, hi in ranges:
                 for holder, _, _ in plan.index.segments(doc, lo, hi):
-                    if holder // ranks_per_node != server // ranks_per_node:
+                    if holder // n != server // n and relay_rank(holder, server // n, n) != server:
                         return True
     return False
+
+
+def _reads(plan: CorePlan, servers: range, holders: set[int]) -> dict[int, dict[int, list]]:
+    """holder -> server -> the holder's local rows the server reads, in the KV stream's order (as
+    :func:`~hf_distca.planning.dispatch.kv_rows_sent`), for every holder of ``holders``: one pass over the
+    servers' key ranges."""
+    out: dict[int, dict[int, list]] = {h: {s: [] for s in servers} for h in holders}
+    for s in servers:
+        ranges = plan.kv_ranges[s]
+        for doc in sorted(ranges):
+            for lo, hi in ranges[doc]:
+                for holder, start, rows in plan.index.segments(doc, lo, hi):
+                    if holder in out:
+                        out[holder][s].append(np.arange(start, start + rows, dtype=np.int64))
+    return out
 
 
 def _split(rows: np.ndarray, counts: list[int]) -> list[np.ndarray]:
@@ -64,10 +82,10 @@ def with_relay(plan: CorePlan, index: DispatchIndex, ranks_per_node: int) -> Dis
     """``index`` (of ``plan``, direct KV streams) with its KV streams through the relay: the first stage's
     KV send and receive, the second stage (``relay``), and the kernel's KV rows in the relayed pool
     ``cat([local rows, first stage's KV rows from rank 0, 1, ..., second stage's from rank 0, 1, ...])``.
-    ``index`` unchanged when no KV row crosses nodes."""
+    ``index`` unchanged when the relay would forward nothing (:func:`forwards`: then it is the direct route)."""
     n, world, me = ranks_per_node, index.world_size, index.rank
     check_topology(world, n)
-    if world == n or not crosses_nodes(plan, n):
+    if world <= n or not forwards(plan, n):
         return index
     node, lane = me // n, me % n
     node_ranks = range(node * n, (node + 1) * n)
@@ -85,7 +103,10 @@ def with_relay(plan: CorePlan, index: DispatchIndex, ranks_per_node: int) -> Dis
             send1.append(np.unique(np.concatenate([direct_send[s] for s in other])))
     # as a relay: every remote holder of this lane, the rows each server of this node reads from it
     remote = [h for h in range(lane, world, n) if h // n != node]
-    reads = {h: {s: kv_rows_sent(plan, h, s) for s in node_ranks} for h in remote}
+    reads = {
+        h: {s: np.concatenate([np.zeros(0, dtype=np.int64), *rows]) for s, rows in per_server.items()}
+        for h, per_server in _reads(plan, node_ranks, set(remote)).items()
+    }
     union = {h: np.unique(np.concatenate(list(reads[h].values()))) for h in remote}
     recv1 = [
         len(union[src]) if src in union else (index.recv_kv_counts[src] if src // n == node else 0)
