@@ -205,7 +205,7 @@ class System:
     """``DistCAConfig(kv_relay=True)``: KV rows cross nodes once per destination node, to the rank of that
     node at the holder's position in its node, which forwards them inside the node (dK/dV back the reverse
     way): each phase that carries KV runs two all-to-alls, one after the other
-    (:func:`hf_distca.planning.relay.relay_kv_bytes`). The planner prices the direct route."""
+    (:func:`hf_distca.planning.relay.relay_kv_bytes`); the communication-aware planner prices the relay."""
 
 
 SYSTEM_SPECS = {
@@ -1028,7 +1028,12 @@ def write_report(rows: list[Row], info: dict, args, command: str) -> str:
         "own tokens per rank (the fewest that hold it) and planned on its own, as the data path does (hf_distca.data.nano), run "
         "through the layers as coroutines in the engine's order (hf_distca.planning.schedule.layer_ping_pong, "
         "asserted against the engine's stages by tests/test_layer_ping_pong.py): while one nano-batch's "
-        "messages fly the other runs its projections, MLP or layer backward). Ideal: the exact computation of "
+        "messages fly the other runs its projections, MLP or layer backward), distca-comm-layers-relay "
+        "(distca-comm-layers with DistCAConfig(kv_relay=True), hf_distca.planning.relay: a KV row crosses nodes "
+        "once per destination node, to the node's rank at the holder's position in its node, which forwards it "
+        "to the servers of its node that read it; each phase that carries KV is two all-to-alls back to back, as "
+        "the engine chains them; its planner prices the relay; on one node the same as distca-comm-layers). "
+        "Ideal: the exact computation of "
         "the real tokens (no padding, every document's attention whole in one kernel) perfectly balanced with no "
         "exposed communication. 'share of ideal gain': (speedup - 1) / (ideal speedup - 1), both against "
         "exact-unbalanced.",

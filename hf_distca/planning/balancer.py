@@ -189,7 +189,9 @@ class Balancer:
     def relayed(self) -> bool:
         """Whether KV rows are priced through the per-node relay (:mod:`hf_distca.planning.relay`)."""
         link = self.link
-        return link is not None and relays(link.kv_relay, link.ranks_per_node, self.index.world_size)
+        if link is None or not link.kv_relay:
+            return False
+        return relays(True, link.ranks_per_node, self.index.world_size)
 
     def _initial_traffic(self) -> Changes:
         """Bytes of the start (every server its own pieces): each server's KV prefixes from their holders."""
@@ -331,6 +333,13 @@ class Balancer:
             add(changes, segments(doc, lo, hi), src.rank, KV_OUT, KV_IN, -self.kv_row)
         return changes
 
+    def _prefix_after(self, rank: int, doc: int, after: dict[int, Ranges]) -> int:
+        """The end of the KV prefix of ``doc`` server ``rank`` reads once a move gives the servers in
+        ``after`` those key ranges (prefixes: no window)."""
+        if rank in after:
+            return after[rank][-1][1] if after[rank] else 0
+        return self.servers[rank].need(doc)
+
     def _relay_changes(
         self, changes: Changes, src: _Server, dst: _Server, doc: int, added: Ranges, freed: Ranges
     ) -> None:
@@ -352,14 +361,20 @@ class Balancer:
             dst.rank: ranges_union(dst.kv(doc, window), added),
             src.rank: ranges_minus(src.kv(doc, window), freed),
         }
+        serving = self.serving[doc]
         for node in {src.rank // n, dst.rank // n}:
-            members = [r for r in self.serving[doc] | after.keys() if r // n == node]
-            before_union: Ranges = []
-            after_union: Ranges = []
-            for r in members:
-                now = self.servers[r].kv(doc, window)
-                before_union = ranges_union(before_union, now)
-                after_union = ranges_union(after_union, after.get(r, now))
+            members = [r for r in range(node * n, node * n + n) if r in serving or r in after]
+            if window is None:  # prefixes: a union is the longest of them
+                before_end = max((self.servers[r].need(doc) for r in members), default=0)
+                after_end = max((self._prefix_after(r, doc, after) for r in members), default=0)
+                before_union = [(0, before_end)] if before_end else []
+                after_union = [(0, after_end)] if after_end else []
+            else:
+                before_union, after_union = [], []
+                for r in members:
+                    now = self.servers[r].kv(doc, window)
+                    before_union = ranges_union(before_union, now)
+                    after_union = ranges_union(after_union, after.get(r, now))
             for ranges, sign in (
                 (ranges_minus(after_union, before_union), 1.0),
                 (ranges_minus(before_union, after_union), -1.0),

@@ -27,7 +27,7 @@ import numpy as np
 
 from hf_distca.planning.dispatch import DispatchIndex, RelayIndex
 from hf_distca.planning.tasks import CorePlan
-from hf_distca.planning.window import ranges_length, ranges_union
+from hf_distca.planning.window import ranges_union
 
 
 def check_topology(world: int, ranks_per_node: int) -> None:
@@ -175,21 +175,36 @@ def relay_kv_matrices(
     n = ranks_per_node
     first = np.zeros((world, world))
     second = np.zeros((world, world))
-    spans: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (holder, destination node) -> its rows
+    docs, starts, ends, servers = [], [], [], []
+    per_node: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (doc, node) -> its servers' key ranges
     for server, per_doc in enumerate(kv_ranges):
         for doc, ranges in per_doc.items():
             for lo, hi in ranges:
-                for holder, start, rows in index.segments(doc, lo, hi):
-                    if holder == server:
-                        continue
-                    if holder // n == server // n:
-                        first[holder, server] += rows * kv_row_bytes
-                        continue
-                    spans.setdefault((holder, server // n), []).append((start, start + rows))
-                    relay = relay_rank(holder, server // n, n)
-                    if relay != server:
-                        second[relay, server] += rows * kv_row_bytes
-    for (holder, node), intervals in spans.items():
-        rows = ranges_length(ranges_union(intervals, []))  # each row once
-        first[holder, relay_rank(holder, node, n)] += rows * kv_row_bytes
+                docs.append(doc)
+                starts.append(lo)
+                ends.append(hi)
+                servers.append(server)
+            per_node.setdefault((doc, server // n), []).extend(ranges)
+    if not docs:
+        return first, second
+    # every server's rows: direct inside its node, else forwarded by the relay unless it is the relay
+    request, holder, rows = index.segment_rows(docs, starts, ends)
+    server = np.asarray(servers, dtype=np.int64)[request]
+    relay = server // n * n + holder % n
+    inside = (holder // n == server // n) & (holder != server)
+    forwarded = (holder // n != server // n) & (relay != server)
+    np.add.at(first, (holder[inside], server[inside]), rows[inside] * kv_row_bytes)
+    np.add.at(second, (relay[forwarded], server[forwarded]), rows[forwarded] * kv_row_bytes)
+    # across nodes: each holder's rows of the union its node's servers read, once, to its relay there
+    docs, starts, ends, nodes = [], [], [], []
+    for (doc, node), ranges in per_node.items():
+        for lo, hi in ranges_union(ranges, []):
+            docs.append(doc)
+            starts.append(lo)
+            ends.append(hi)
+            nodes.append(node)
+    request, holder, rows = index.segment_rows(docs, starts, ends)
+    node = np.asarray(nodes, dtype=np.int64)[request]
+    across = holder // n != node
+    np.add.at(first, (holder[across], node[across] * n + holder[across] % n), rows[across] * kv_row_bytes)
     return first, second
