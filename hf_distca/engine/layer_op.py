@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from hf_distca.checkpointing import keep_for_recompute
-from hf_distca.comm import Exchange
+from hf_distca.comm import Chain, Exchange
 from hf_distca.engine import stages
 from hf_distca.engine.interleave import Interleave
 from hf_distca.engine.prepare import PreparedAttention
@@ -48,15 +48,17 @@ class _Call:
     kv_dtype: torch.dtype
     index: int
     """The nano-batch's index: its stages' profiler ranges are ``distca.<pass>.<stage>.<index>``."""
-    in_flight: Exchange | None = None
-    """The exchange started by the last node that ran (forward or backward)."""
+    in_flight: Exchange | Chain | None = None
+    """The exchange (or chain of them, with the KV relay) started by the last node that ran (forward or
+    backward)."""
     out_kernel: torch.Tensor | None = None
     lse: torch.Tensor | None = None
     backward_inputs: tuple | None = None
     """(q, k, v, out, dout) from the backward dispatch to the backward kernel."""
     grads: GradReturn | None = None
 
-    def wait(self) -> torch.Tensor | None:
+    def wait(self) -> torch.Tensor | list[torch.Tensor] | None:
+        """What the exchange in flight received (a chain: every stage's buffer), once it has."""
         exchange, self.in_flight = self.in_flight, None
         return None if exchange is None else exchange.wait()
 

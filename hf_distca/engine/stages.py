@@ -347,7 +347,7 @@ def return_grads(
     if prep.communicates:
         dtype = dk_kernel.dtype
 
-        def home(_: torch.Tensor | None = None) -> Exchange:
+        def home() -> Exchange:
             streams = [
                 (dq_kernel.index_select(0, dev.out_send_index), ix.out_send_counts),  # (No, Hq, D)
                 (dk_pool[n : n + first_rows].to(dtype), ix.recv_kv_counts),  # (R_kv, Hkv, D), as they came
