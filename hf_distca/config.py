@@ -90,10 +90,12 @@ class DistCAConfig:
     (:mod:`hf_distca.planning.relay`): a holder sends the rows any server of another node reads, once, to
     that node's rank at its own position in its node (the relay), which forwards each server of its node
     the rows it reads; dK/dV come back the reverse way, summed at the relay. Needs ``ranks_per_node``
-    and a group of whole nodes. Same results (up to the order of the dK/dV sums); the stages that carry
+    and a group of whole nodes. Same results (up to the dK/dV sums: in another order, and in half
+    precision rounded once more at the relay); the stages that carry
     KV run two all-to-all-v each instead of one. Pays off where long documents are cut over many
-    nodes: in benchmarks/simulate.py at 512 GPUs it removes most exposed inter-node transfer. Changes
-    which rows travel, not the plan (the planner prices the direct route)."""
+    nodes: in benchmarks/simulate.py at 512 GPUs it removes most exposed inter-node transfer. The planner
+    counts a plan's bytes (``max_send_bytes_per_rank``, ``CorePlan.bytes_sent``) and, with
+    ``link_gib_per_s``, prices its moves on the relayed route."""
 
     comm_overlap: float = 0.0
     """Fraction in [0, 1] of transfer time that overlap with compute hides, used to price moves: 0 (the

@@ -142,16 +142,6 @@ def test_relay_crosses_nodes_less(layout: Layout, per_node: int):
     across = node[:, None] != node[None, :]
     assert first[across].sum() <= kv[across].sum()
     assert second[across].sum() == 0
-    relayed, direct = traffic.plan_bytes(plan, per_node), traffic.plan_bytes(plan)  # (phases, ranks, 2)
-    ret = traffic.PHASES.index("fwd.return")  # outputs only: the relay does not touch them
-    np.testing.assert_array_equal(relayed[ret], direct[ret])
-    kv_phases = [traffic.PHASES.index(p) for p in ("fwd.dispatch", "bwd.dispatch", "bwd.return")]
-    # per KV phase, all ranks together move the direct route's bytes, less what no longer crosses to every
-    # reader, plus what the relays forward
-    for p in kv_phases:
-        saved = (kv - first).sum() * traffic.CARRIES[p, :, traffic.KV].sum()
-        added = second.sum() * traffic.CARRIES[p, :, traffic.KV].sum()
-        assert relayed[p, :, 0].sum() == direct[p, :, 0].sum() - saved + added
 
 
 def test_relay_sends_each_row_once_per_node():

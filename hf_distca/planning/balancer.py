@@ -175,6 +175,9 @@ class Balancer:
         for s in self.servers:
             s.load = sum(cost.task_cost(a, b) for ivs in s.intervals.values() for a, b in ivs)
         self.loads = np.array([s.load for s in self.servers], dtype=np.float64)  # mirrors each s.load
+        # KV through the per-node relay (hf_distca.planning.relay): its bytes are what the link prices and
+        # what the send bound holds, priced or not
+        self.relayed = relays(config.kv_relay, config.ranks_per_node, world)
         # exact traffic: with a link model (prices moves), or for the send bound alone (free links)
         self.traffic = None
         if link is not None or config.max_send_bytes_per_rank is not None:
@@ -185,19 +188,11 @@ class Balancer:
         self.comm: list[float] = [self.traffic.now] if link is not None else []
         self.path: list[float] = [self.critical_path()] if link is not None else []
 
-    @property
-    def relayed(self) -> bool:
-        """Whether KV rows are priced through the per-node relay (:mod:`hf_distca.planning.relay`)."""
-        link = self.link
-        if link is None or not link.kv_relay:
-            return False
-        return relays(True, link.ranks_per_node, self.index.world_size)
-
     def _initial_traffic(self) -> Changes:
         """Bytes of the start (every server its own pieces): each server's KV prefixes from their holders."""
         if self.relayed:
             kv = [{doc: s.kv(doc, self.window) for doc in s.intervals} for s in self.servers]
-            total = kv_ranges_relay_traffic(kv, self.index, self.kv_row, self.link.ranks_per_node)
+            total = kv_ranges_relay_traffic(kv, self.index, self.kv_row, self.config.ranks_per_node)
             return {
                 int(r): [total[r, INTRA].tolist(), total[r, INTER].tolist()]
                 for r in np.flatnonzero(total.any(axis=(1, 2)))
@@ -347,7 +342,7 @@ class Balancer:
         ``freed``: a node's rows cross (holder to its relay in the node) once for all its servers, so the
         first stage changes by what the node's union of key ranges gains or loses; the second stage (or a
         holder inside the node, directly) sends each server its own ranges."""
-        n, window = self.link.ranks_per_node, self.window
+        n, window = self.config.ranks_per_node, self.window
 
         def pair(sender: int, receiver: int, nbytes: float) -> None:
             c = INTER if sender // n != receiver // n else INTRA
@@ -517,7 +512,8 @@ class Balancer:
                 continue
             # a destination that holds and serves nothing of src's documents is skipped once another one
             # in its node was turned down by the send bound (its moves send the same bytes)
-            generic = special is not None and dst.rank not in special
+            # (through the relay they differ: the holder's relay in that node saves the second hop)
+            generic = special is not None and dst.rank not in special and not self.relayed
             if generic and self.node(dst.rank) in priced_out:
                 continue
             move, rejected = self._best_move(src, dst, target)

@@ -172,8 +172,9 @@ def _finish(
         balance_level=level,
         window=window,
     )
-    per_node, relay = (link.ranks_per_node, link.kv_relay) if link is not None else (None, False)
-    table = plan_traffic(plan, per_node, relay)  # (ranks, 2, 4), as the link model prices it
+    # (ranks, 2, 4): what the engine sends, through the relay when the config asks for it, priced or not
+    relay = balancer.relayed
+    table = plan_traffic(plan, balancer.config.ranks_per_node if link is not None or relay else None, relay)
     plan.bytes_sent, plan.bytes_received = forward_bytes(plan, table)
     if link is not None:
         plan.critical_path_after = plan_critical_path(plan, link, table=table)
