@@ -512,8 +512,8 @@ class Balancer:
                 continue
             # a destination that holds and serves nothing of src's documents is skipped once another one
             # in its node was turned down by the send bound (its moves send the same bytes)
-            # (through the relay they differ: the holder's relay in that node saves the second hop)
-            generic = special is not None and dst.rank not in special and not self.relayed
+            # (through the relay, up to the second hop inside the node, which the holder's relay there saves)
+            generic = special is not None and dst.rank not in special
             if generic and self.node(dst.rank) in priced_out:
                 continue
             move, rejected = self._best_move(src, dst, target)
