@@ -26,7 +26,7 @@ import dataclasses
 import numpy as np
 
 from hf_distca.planning.dispatch import DispatchIndex, RelayIndex
-from hf_distca.planning.tasks import CorePlan
+from hf_distca.planning.tasks import CorePlan, key_range_requests
 from hf_distca.planning.window import ranges_union
 
 
@@ -175,16 +175,10 @@ def relay_kv_matrices(
     n = ranks_per_node
     first = np.zeros((world, world))
     second = np.zeros((world, world))
-    docs, starts, ends, servers = [], [], [], []
+    docs, starts, ends, servers = key_range_requests(kv_ranges)
     per_node: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (doc, node) -> its servers' key ranges
-    for server, per_doc in enumerate(kv_ranges):
-        for doc, ranges in per_doc.items():
-            for lo, hi in ranges:
-                docs.append(doc)
-                starts.append(lo)
-                ends.append(hi)
-                servers.append(server)
-            per_node.setdefault((doc, server // n), []).extend(ranges)
+    for doc, lo, hi, server in zip(docs, starts, ends, servers, strict=True):
+        per_node.setdefault((doc, server // n), []).append((lo, hi))
     if not docs:
         return first, second
     # every server's rows: direct inside its node, else forwarded by the relay unless it is the relay

@@ -90,6 +90,22 @@ class CorePlan:
         return h.hexdigest()
 
 
+def key_range_requests(
+    kv_ranges: Sequence[dict[int, Ranges]],
+) -> tuple[list[int], list[int], list[int], list[int]]:
+    """``(docs, starts, ends, servers)``: every server's key ranges (``CorePlan.kv_ranges``: per server, doc
+    -> ranges) one after the other, in server order, as :meth:`DocIndex.segment_rows` takes requests."""
+    docs, starts, ends, servers = [], [], [], []
+    for server, per_doc in enumerate(kv_ranges):
+        for doc, ranges in per_doc.items():
+            for lo, hi in ranges:
+                docs.append(doc)
+                starts.append(lo)
+                ends.append(hi)
+                servers.append(server)
+    return docs, starts, ends, servers
+
+
 def imbalance(loads: Sequence[float]) -> float:
     """Most loaded over the mean (1.0 for no loads or no work)."""
     mean = sum(loads) / max(len(loads), 1)

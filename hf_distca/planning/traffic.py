@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from hf_distca.planning.relay import check_topology, relay_kv_bytes, relay_kv_matrices
+from hf_distca.planning.tasks import key_range_requests
 
 PHASES = ("fwd.dispatch", "fwd.return", "bwd.dispatch", "bwd.return")
 """The engine's all-to-all phases of one layer, in the order they run (the names of its stages)."""
@@ -149,14 +150,7 @@ def plan_rows(plan: Any) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]
             starts.append(t.q_start)
             ends.append(t.q_end)
             servers.append(server)
-    kv_docs, kv_starts, kv_ends, kv_servers = [], [], [], []
-    for server, per_doc in enumerate(plan.kv_ranges):
-        for doc, ranges in per_doc.items():
-            for lo, hi in ranges:
-                kv_docs.append(doc)
-                kv_starts.append(lo)
-                kv_ends.append(hi)
-                kv_servers.append(server)
+    kv_docs, kv_starts, kv_ends, kv_servers = key_range_requests(plan.kv_ranges)
     out = []
     for d, a, b, srv in ((docs, starts, ends, servers), (kv_docs, kv_starts, kv_ends, kv_servers)):
         request, holder, rows = plan.index.segment_rows(d, a, b)
