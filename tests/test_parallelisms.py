@@ -105,13 +105,14 @@ LOOP_TOKENS = 1024  # tokens per micro-batch over all ranks
 LOOP_STEPS, LOOP_ACCUM = 2, 2
 
 
-def _train_loop(rank: int, world: int, ping_pong: bool | str, shard: bool) -> dict:
+def _train_loop(rank: int, world: int, ping_pong: bool | str, shard: bool, relay: bool = False) -> dict:
     """The training loop of recipes/accelerate_loop.py (same global batches on any world size, loss
     token-weighted over the whole global batch) with the model sharded by FSDP2 when ``shard``.
 
     Returns the per-step losses, the full final weights (gathered from the shards) and the engine's
     counters of the run. ``ping_pong``: attention-level (True), off (False) or ``"layers"`` (layer-level:
-    each micro-batch as two nano-batches whose forwards interleave, :func:`hf_distca.nano_batch_loss`)."""
+    each micro-batch as two nano-batches whose forwards interleave, :func:`hf_distca.nano_batch_loss`);
+    ``relay``: KV through the relay over nodes of 2 ranks (``DistCAConfig(kv_relay=True)``)."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
@@ -132,7 +133,9 @@ def _train_loop(rank: int, world: int, ping_pong: bool | str, shard: bool) -> di
     hf_distca.enable_distca(
         model,
         group=dist.group.WORLD if world > 1 else None,
-        config=hf_distca.DistCAConfig(shard_tokens=64, ping_pong=ping_pong is True),
+        config=hf_distca.DistCAConfig(
+            shard_tokens=64, ping_pong=ping_pong is True, ranks_per_node=2 if relay else None, kv_relay=relay
+        ),
     )
     if shard:  # one FSDP2 unit per decoder layer, the rest (embeddings, norm, head) in the root unit
         for layer in model.model.layers:
@@ -168,7 +171,8 @@ def _train_loop(rank: int, world: int, ping_pong: bool | str, shard: bool) -> di
         for n, p in model.named_parameters()
     }
     return {"losses": losses, "weights": weights, "sharded": sharded, "bytes_sent": stats.bytes_sent,
-            "attn_fwd_kernels": stats.attn_fwd_kernels, "layer_weights": layer_weights}  # fmt: skip
+            "attn_fwd_kernels": stats.attn_fwd_kernels, "layer_weights": layer_weights,
+            "exchanges": stats.exchanges, "calls": stats.calls}  # fmt: skip
 
 
 def _fsdp2_worker(rank: int, world: int) -> dict:
@@ -203,6 +207,36 @@ def test_fsdp2_loop_matches_one_process():
         # ping-pong ran: two server kernels per layer (two parts, or one per nano-batch) where serial has one
         kernels = {pp: run["attn_fwd_kernels"] for pp, run in runs.items()}
         assert kernels[True] > kernels[False] and kernels["layers"] > kernels[False], (rank, kernels)
+
+
+def _fsdp2_relay_worker(rank: int, world: int) -> dict:
+    return _train_loop(rank, world, ping_pong="layers", shard=True, relay=True)
+
+
+@pytest.mark.slow
+def test_fsdp2_loop_through_the_relay_matches_one_process():
+    """The same FSDP2 loop on 4 gloo processes in 2 "nodes" of 2, layer-level ping-pong, KV across the nodes
+    through the relay (DistCAConfig(kv_relay=True)): the losses and final weights of the unsharded
+    single-process run, and the relay ran (more all-to-alls than 4 per engine call)."""
+    from distributed import run_distributed
+
+    reference = _train_loop(0, 1, ping_pong=False, shard=False)
+    for rank, run in enumerate(run_distributed(_fsdp2_relay_worker, 4, timeout=600.0)):
+        for got, want in zip(run["losses"], reference["losses"], strict=True):
+            assert abs(got - want) <= TOL["train_loss"][0] * abs(want), (
+                rank,
+                run["losses"],
+                reference["losses"],
+            )
+        for name, w in run["weights"].items():
+            torch.testing.assert_close(
+                w,
+                reference["weights"][name],
+                rtol=0,
+                atol=TOL["train_weights"][1],
+                msg=f"rank {rank}: {name}",
+            )
+        assert run["exchanges"] > 4 * run["calls"], (rank, run["exchanges"], run["calls"])
 
 
 def _recipe():
