@@ -27,7 +27,7 @@ from hf_distca.planning.cost import CausalPairsCost
 from hf_distca.planning.links import Changes, LinkModel, PhaseTimes
 from hf_distca.planning.pieces import DocIndex
 from hf_distca.planning.relay import relay_rank
-from hf_distca.planning.tasks import CATask
+from hf_distca.planning.tasks import CATask, key_range_requests
 from hf_distca.planning.traffic import (
     INTER,
     INTRA,
@@ -35,10 +35,9 @@ from hf_distca.planning.traffic import (
     KV_OUT,
     Q_IN,
     Q_OUT,
-    add_bytes,
     kv_ranges_relay_traffic,
-    link_classes,
     relays,
+    rows_traffic,
 )
 from hf_distca.planning.window import Ranges, attended_pairs, kv_ranges, kv_start, ranges_minus, ranges_union
 
@@ -190,30 +189,19 @@ class Balancer:
 
     def _initial_traffic(self) -> Changes:
         """Bytes of the start (every server its own pieces): each server's KV prefixes from their holders."""
+        kv = [{doc: s.kv(doc, self.window) for doc in s.intervals} for s in self.servers]
         if self.relayed:
-            kv = [{doc: s.kv(doc, self.window) for doc in s.intervals} for s in self.servers]
             total = kv_ranges_relay_traffic(kv, self.index, self.kv_row, self.config.ranks_per_node)
-            return {
-                int(r): [total[r, INTRA].tolist(), total[r, INTER].tolist()]
-                for r in np.flatnonzero(total.any(axis=(1, 2)))
-            }
-        docs, starts, ends, servers = [], [], [], []
-        for s in self.servers:
-            for doc in s.intervals:
-                for lo, hi in s.kv(doc, self.window):
-                    docs.append(doc)
-                    starts.append(lo)
-                    ends.append(hi)
-                    servers.append(s.rank)
-        request, holder, rows = self.index.segment_rows(docs, starts, ends)
-        server = np.asarray(servers, dtype=np.int64)[request]
-        remote = holder != server
-        holder, server, kv_bytes = holder[remote], server[remote], rows[remote] * self.kv_row
-        per = self.link.ranks_per_node if self.link is not None else None
-        link_class = link_classes(holder, server, per)
-        total = np.zeros((self.index.world_size, 2, 4))  # rank x link class x column
-        add_bytes(total, holder, link_class, KV_OUT, kv_bytes)
-        add_bytes(total, server, link_class, KV_IN, kv_bytes)
+        else:
+            docs, starts, ends, servers = key_range_requests(kv)
+            request, holder, rows = self.index.segment_rows(docs, starts, ends)
+            server = np.asarray(servers, dtype=np.int64)[request]
+            remote = holder != server
+            no_queries = tuple(np.zeros(0, dtype=np.int64) for _ in range(3))
+            per = self.link.ranks_per_node if self.link is not None else None
+            kv_rows = (holder[remote], server[remote], rows[remote])
+            # rank x link class x column
+            total = rows_traffic(self.index.world_size, no_queries, kv_rows, self.q_row, self.kv_row, per)
         return {
             int(r): [total[r, INTRA].tolist(), total[r, INTER].tolist()]
             for r in np.flatnonzero(total.any(axis=(1, 2)))

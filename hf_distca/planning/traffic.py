@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from hf_distca.planning.relay import check_topology, relay_kv_bytes, relay_kv_matrices
+from hf_distca.planning.relay import check_topology, relay_kv_matrices
 from hf_distca.planning.tasks import key_range_requests
 
 PHASES = ("fwd.dispatch", "fwd.return", "bwd.dispatch", "bwd.return")
@@ -172,9 +172,7 @@ def plan_traffic(plan: Any, ranks_per_node: int | None = None, kv_relay: bool = 
         )
     empty = tuple(np.zeros(0, dtype=np.int64) for _ in range(3))
     table = rows_traffic(plan.world_size, q_rows, empty, plan.q_row_bytes, plan.kv_row_bytes, ranks_per_node)
-    for matrix in relay_kv_bytes(plan, plan.kv_row_bytes, ranks_per_node):
-        table += matrix_traffic(matrix, KV_OUT, KV_IN, ranks_per_node)
-    return table
+    return table + kv_ranges_relay_traffic(plan.kv_ranges, plan.index, plan.kv_row_bytes, ranks_per_node)
 
 
 def relays(kv_relay: bool, ranks_per_node: int | None, world: int) -> bool:
@@ -211,24 +209,12 @@ def kv_ranges_relay_traffic(
 def plan_bytes(plan: Any, kv_relay: int | None = None) -> np.ndarray:
     """(phases, ranks, 2) int64: bytes each rank sends and receives in every phase of one layer under a
     :class:`~hf_distca.planning.CorePlan` (what the engine's counters measure, phase by phase);
-    ``kv_relay``: ranks per node when KV rows go through the relay (both stages of each phase)."""
-    if kv_relay is None:
-        columns = plan_traffic(plan).sum(axis=1)  # (ranks, 4) over link classes
-        return np.moveaxis(phase_bytes(columns), 1, 0).astype(np.int64)  # (phases, ranks, 2)
-    out = np.zeros((len(PHASES), plan.world_size, 2))
-    for p, stages in enumerate(zip(*relay_phase_matrices(plan, kv_relay), strict=True)):
-        m = sum(stages)  # (world, world) [sender, receiver]
-        off = m - np.diag(np.diag(m))
-        out[p, :, 0], out[p, :, 1] = off.sum(axis=1), off.sum(axis=0)
-    return out.astype(np.int64)
-
-
-def relay_phase_matrices(plan: Any, ranks_per_node: int) -> list[list[np.ndarray]]:
-    """Per stage of the KV relay (:mod:`hf_distca.planning.relay`), the :func:`phase_matrices` of one layer:
-    the first stage carries the query rows and the first hop of KV, the second the hop inside a node."""
-    q, _ = plan_matrices(plan)
-    first, second = relay_kv_bytes(plan, plan.kv_row_bytes, ranks_per_node)
-    return [phase_matrices(q, first), phase_matrices(np.zeros_like(q), second)]
+    ``kv_relay``: ranks per node when KV rows go through the relay (both stages of each phase: a relay
+    receives the first stage's rows as KV_IN and sends the second's as KV_OUT)."""
+    columns = plan_traffic(plan, kv_relay, kv_relay is not None).sum(axis=1)  # (ranks, 4) over link classes
+    return np.moveaxis(phase_bytes(columns), 1, 0).astype(
+        np.int64
+    )  # (ranks, phases, 2) -> (phases, ranks, 2)
 
 
 def forward_bytes(plan: Any, table: np.ndarray | None = None) -> tuple[list[int], list[int]]:
