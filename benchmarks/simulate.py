@@ -122,6 +122,7 @@ from hf_distca.planning.traffic import (
     link_classes,
     phase_matrices,
     plan_matrices,
+    relays,
 )
 from hf_distca.planning.window import kv_start
 
@@ -653,7 +654,7 @@ def price_plans(
             attention += layers * (fwd_bwd + (fwd if s.recompute == "full" else 0.0))
             q, kv = traffic(part, s.model.q_row_bytes, s.model.kv_row_bytes)
             stages = [(q, kv)]
-            if kv_relay and world > s.links.gpus_per_node:  # as the engine: a relay needs other nodes
+            if relays(kv_relay, s.links.gpus_per_node, world):  # as the engine and planner decide it
                 first, second = relay_kv_bytes(part, s.model.kv_row_bytes, s.links.gpus_per_node)
                 stages = [(q, first), (np.zeros_like(q), second)]
             for q_stage, kv_stage in stages:  # stages run one after the other
