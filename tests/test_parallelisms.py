@@ -2,9 +2,10 @@
 
 DeepSpeed ZeRO-3: ``recipes/finetune_long_docs.py --deepspeed`` (the repository's
 ``accelerate_configs/ds_zero3.json`` with the Trainer's optimizer instead of its AdamW), ping-pong off,
-attention-level and layer-level (with gradient checkpointing), documents cut over the ranks, gradient accumulation: the same per-step losses and the same final
-(gathered, saved) weights as the single-process run on the same global batches (``--tokens-per-rank 2T``
-on 1 process, ``T`` on 2).
+attention-level and layer-level (with gradient checkpointing), documents cut over the ranks, gradient
+accumulation, and on 4 processes in 2 "nodes" layer-level with KV through the relay: the same per-step
+losses and the same final (gathered, saved) weights as the single-process run on the same global batches
+(``--tokens-per-rank 2T`` on 1 process, ``T`` on 2, ``T / 2`` on 4).
 
 FSDP2: Accelerate (1.15) turns FSDP on only for accelerator devices (``MULTI_GPU``, ...); on the CPU the
 Trainer trains with DDP whatever ``fsdp``/``fsdp_config`` or an ``accelerate launch`` FSDP config asks
@@ -68,12 +69,19 @@ def test_zero3_recipe_matches_one_process(tmp_path):
                                    "--output-dir", str(tmp_path / name)]]
         for name, flags in modes.items()
     ], tmp_path)  # fmt: skip
+    # 4 processes in 2 "nodes" of 2: layer-level ping-pong with KV across the nodes through the relay
+    relay = {"layer_ping_pong_relay_4": ["--layer-ping-pong", "--gradient-checkpointing", "--ranks-per-node", "2",
+                                         "--kv-relay"]}  # fmt: skip
+    launch(4, [["finetune_long_docs.py", [*COMMON, "--tokens-per-rank", str(BUDGET // 4), "--deepspeed", ds_config,
+                                          *flags, "--output-dir", str(tmp_path / name)]]
+               for name, flags in relay.items()], tmp_path)  # fmt: skip
     ref_records, ref_weights, ref_summary = _results(reference)
     assert ref_summary["world_size"] == 1 and [r["step"] for r in ref_records] == [1, 2]
-    runs = {name: _results(tmp_path / name) for name in modes}
+    runs = {name: _results(tmp_path / name) for name in [*modes, *relay]}
     for name, (records, weights, summary) in runs.items():
-        # DeepSpeed trained (parameters partitioned over the 2 ranks), not DDP
-        assert summary["world_size"] == 2 and summary["wrapped"] == "DeepSpeedEngine", (name, summary)
+        # DeepSpeed trained (parameters partitioned over the ranks), not DDP
+        world = 4 if name in relay else 2
+        assert summary["world_size"] == world and summary["wrapped"] == "DeepSpeedEngine", (name, summary)
         assert [r["step"] for r in records] == [1, 2], name
         for got, want in zip(records, ref_records, strict=True):
             assert got["tokens"] == want["tokens"] == BUDGET * 2
@@ -96,6 +104,9 @@ def test_zero3_recipe_matches_one_process(tmp_path):
         # layer-level: one kernel per nano-batch and layer, each replayed by the recompute
         assert sum(layers["attn_fwd_kernels"]) > sum(serial["attn_fwd_kernels"]), (layers, serial)
         assert layers["attn_replays"] == layers["engine_calls"], layers
+    # the relay forwarded: the stages that carry KV ran two all-to-alls each (4 a call without the relay)
+    relayed = runs["layer_ping_pong_relay_4"][0]
+    assert any(sum(r["exchanges"]) > 4 * sum(r["engine_calls"]) for r in relayed), relayed
     # the run learned something
     assert ref_records[-1]["loss"] < ref_records[0]["loss"]
 
