@@ -13,6 +13,9 @@ for every length sample and every ``--tokens-per-rank``, the same micro-batches 
 - ``ping_pong_halves``: ping_pong_split="halves": two nano-batches of equal work, each with its own
   exchanges (the DistCA paper's ping and pong);
 - ``serial``: ping_pong=False: dispatch, kernel, return one after the other;
+- ``serial_tight``: serial with each micro-batch laid out at the fewest tokens per rank that hold it
+  (``DistCABatches(pad_to_budget=False)``, as layer_ping_pong's nano-batches are) instead of padded to
+  ``--tokens-per-rank``: what dropping the padding saves without the split;
 - ``signal``: serial with every core-attention exchange replaced by 1-byte messages
   (hf_distca.comm.signal_only): the same schedule, synchronisation and kernels with (almost) free
   communication; the step time ping-pong aims at;
@@ -27,7 +30,10 @@ for every length sample and every ``--tokens-per-rank``, the same micro-batches 
 Core-attention exchanges run on their own process group (``--attn-group dedicated``, the default), so
 DDP's gradient all-reduce does not queue behind them on one NCCL stream. Reported per mode: median step
 time (slowest rank) over ``--steps`` steps after ``--warmup``, ratios to ``serial`` and ``signal``, peak
-memory, core-attention bytes sent and kernel runs per step. Then one step of each ``--profile`` mode runs
+memory, core-attention bytes sent and kernel runs per step. ``--passes 2`` times the same micro-batches
+again right after (no warm-up): every shape has then been seen once, so the second pass is the steady
+state of a long run, where the shapes (bucketed by the cudnn kernel's plan cache) recur; the cuDNN plans
+built during each pass are counted. Then one step of each ``--profile`` mode runs
 under torch.profiler: the trace (rank 0) is written to ``--trace-dir`` and summarised per engine call
 (one per layer and pass): its communication kernels' time, how much of it overlapped compute kernels
 (hidden) and how much did not (exposed), and its server kernels' time.
@@ -72,15 +78,17 @@ from common import write_outputs as write_results  # noqa: E402
 from hf_distca import DistCAConfig, enable_distca, forward_nano_batches  # noqa: E402
 from hf_distca.comm import signal_only  # noqa: E402
 from hf_distca.data.baselines import LAYOUTS  # noqa: E402
+from hf_distca.data.nano import NANO_BATCHES  # noqa: E402
 
 MODES = (
-    "ping_pong", "ping_pong_halves", "layer_ping_pong", "serial", "signal", "signal_pp", "signal_layers",
-    "unbalanced",
+    "ping_pong", "ping_pong_halves", "layer_ping_pong", "serial", "serial_tight", "signal", "signal_pp",
+    "signal_layers", "unbalanced",
 )  # fmt: skip
 MODE_CONFIG = {
     "ping_pong": {"ping_pong": True},
     "ping_pong_halves": {"ping_pong": True, "ping_pong_split": "halves"},
     "serial": {"ping_pong": False},
+    "serial_tight": {"ping_pong": False},
     "signal": {"ping_pong": False},
     "signal_pp": {"ping_pong": True},
     "layer_ping_pong": {"ping_pong": False, "layer_ping_pong": True},
@@ -100,12 +108,44 @@ def one_step(model, opt, batch: dict, mode: str) -> None:
     opt.zero_grad(set_to_none=True)
 
 
+TIGHT = {"serial_tight"}
+"""Modes whose micro-batches are laid out at the fewest tokens per rank that hold them (no padding to
+``--tokens-per-rank``)."""
+
+
 def _nano_batches(mode: str) -> int:
     return 2 if MODE_CONFIG[mode].get("layer_ping_pong") else 1
 
 
-def run_mode(model, opt, batches: list[dict], mode: str, warmup: int) -> dict:
-    return timed_steps(lambda batch: one_step(model, opt, batch, mode), batches, warmup, DEVICE)
+def batch_kind(mode: str) -> tuple[int, bool]:
+    """(nano-batches per micro-batch, padded to the budget) of the micro-batches ``mode`` trains."""
+    return _nano_batches(mode), mode not in TIGHT
+
+
+def _plans_built() -> int:
+    """cuDNN plans built so far in this process, both directions (0 without the cudnn kernel)."""
+    try:
+        from hf_distca.kernels.cudnn_frontend import plan_builds
+    except ImportError:
+        return 0
+    return sum(plan_builds.values())
+
+
+def run_mode(model, opt, batches: list[dict], mode: str, warmup: int, passes: int = 1) -> dict:
+    """:func:`timed_steps` of ``mode`` over ``batches``; ``passes`` > 1 times the same batches again (no
+    warm-up), each pass's median under ``passes`` and the cuDNN plans it built under ``plans_built``;
+    ``tokens_per_step``: this rank's tokens per micro-batch (padding included), mean over ``batches``."""
+    out, medians, built = None, [], []
+    for k in range(passes):
+        before = _plans_built()
+        r = timed_steps(
+            lambda batch: one_step(model, opt, batch, mode), batches, warmup if k == 0 else 0, DEVICE
+        )
+        built.append(_plans_built() - before)
+        medians.append(r["step_s"])
+        out = out or r
+    tokens = sum(int(n["input_ids"].shape[1]) for b in batches for n in b.get(NANO_BATCHES, (b,)))
+    return {**out, "passes": medians, "plans_built": built, "tokens_per_step": tokens / len(batches)}
 
 
 def profile_step(model, opt, batch: dict, mode: str, trace_path: str | None, rank: int) -> dict:
@@ -237,6 +277,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="modes profiled for the timeline ('': none)",
     )
     p.add_argument("--checkpointing", choices=("remat", "none"), default="remat")
+    p.add_argument(
+        "--passes",
+        type=int,
+        default=1,
+        help="times each mode's micro-batches are timed (2: a warm second pass)",
+    )
     p.add_argument("--attn-group", choices=("dedicated", "world"), default="dedicated")
     p.add_argument("--backend", default="auto", help="DistCAConfig.backend")
     p.add_argument(
@@ -293,14 +339,21 @@ def main(argv=None) -> int:
     for name, sample in samples:
         for tokens in sizes:
             key = f"{name} / {tokens // 1024}K" if tokens >= 1024 else f"{name} / {tokens}"
-            batches = {  # by nano-batches per micro-batch: the same documents and micro-batches in every mode
-                nano: step_batches(
-                    sample, tokens, args, rank=rank, world=world, device=DEVICE, nano_batches=nano
-                )
-                for nano in sorted({_nano_batches(m) for m in modes} | {1})
+            batches = {  # by batch_kind: the same documents and micro-batches in every mode
+                kind: step_batches(
+                    sample,
+                    tokens,
+                    args,
+                    rank=rank,
+                    world=world,
+                    device=DEVICE,
+                    nano_batches=kind[0],
+                    pad_to_budget=kind[1],
+                )  # fmt: skip
+                for kind in sorted({batch_kind(m) for m in modes} | {(1, True)})
             }
             res = results[key] = {
-                "long_share": long_share(batches[1]),
+                "long_share": long_share(batches[(1, True)]),
                 "tokens": tokens,
                 "modes": {},
                 "timeline": {},
@@ -308,13 +361,15 @@ def main(argv=None) -> int:
             for mode in modes:
                 cfg = DistCAConfig(backend=args.backend, **MODE_CONFIG[mode])
                 enable_distca(lm, group=group, config=cfg)
-                res["modes"][mode] = run_mode(model, opt, batches[_nano_batches(mode)], mode, args.warmup)
+                res["modes"][mode] = run_mode(
+                    model, opt, batches[batch_kind(mode)], mode, args.warmup, args.passes
+                )  # fmt: skip
                 if rank == 0:
                     print(key, mode, res["modes"][mode], flush=True)
                     write_outputs(results, args, world, config)
             for mode in profiled:
                 enable_distca(lm, group=group, config=DistCAConfig(backend=args.backend, **MODE_CONFIG[mode]))
-                mode_batches = batches[_nano_batches(mode)]
+                mode_batches = batches[batch_kind(mode)]
                 one_step(model, opt, mode_batches[0], mode)  # warm: plans cached, allocator settled
                 trace = None
                 if args.trace_dir:
@@ -381,8 +436,13 @@ def report(results: dict, args, world: int, config) -> str:
         "ping_pong).",
         "",
         "| sample / tokens per rank (tokens in docs >= 16K) | mode | step time (s) | vs serial | vs signal | "
-        "peak memory (GiB) | attn fwd kernels / step | core-attn bytes sent / step (GiB) | imbalance before -> after |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "peak memory (GiB) | attn fwd kernels / step | core-attn bytes sent / step (GiB) | imbalance before -> after |"
+        + (
+            " later passes: step time (s), vs serial | cuDNN plans built per pass |"
+            if args.passes > 1
+            else ""
+        ),
+        "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if args.passes > 1 else ""),
     ]
     for key, res in results.items():
         serial = res["modes"].get("serial", {}).get("step_s")
@@ -390,11 +450,18 @@ def report(results: dict, args, world: int, config) -> str:
         for mode, r in res["modes"].items():
             vs_serial = f"{serial / r['step_s']:.2f}x faster" if serial else ""
             vs_signal = f"{r['step_s'] / signal:.3f}" if signal else ""
-            lines.append(
+            row = (
                 f"| {key} ({100 * res['long_share']:.0f}%) | {mode} | {r['step_s']:.3f} | {vs_serial} | {vs_signal} | "
                 f"{r['peak_gib']:.1f} | {r['kernels']} | {r['sent_gib']:.3f} | "
                 f"{r['imbalance'][0]:.2f} -> {r['imbalance'][1]:.2f} |"
             )
+            if args.passes > 1:
+                later = res["modes"].get("serial", {}).get("passes", [])
+                row += " " + ", ".join(
+                    f"{t:.3f}" + (f" ({later[k] / t:.2f}x)" if k < len(later) else "")
+                    for k, t in enumerate(r["passes"]) if k > 0
+                ) + f" | {' / '.join(str(n) for n in r['plans_built'])} |"  # fmt: skip
+            lines.append(row)
     for key, res in results.items():
         for mode, summary in res.get("timeline", {}).items():
             calls = summary.get("calls")

@@ -12,11 +12,29 @@ simulate.price_plan as simulate.simulate prices DistCA's engine; median over
 the timed steps as bench_remat reports. Also the forward of core attention alone (all layers) against
 the table's 'core-attention forward alone' rows, which isolates the attention and communication part.
 
+Also reads benchmarks/bench_ping_pong.py's tables (sections '## Ping-pong, N x GPU, ...', e.g.
+layer_ping_pong_1xh200.md) and prices their ``serial``, ``serial_tight`` and ``layer_ping_pong`` rows: the
+micro-batches of its own step_batches as bench_ping_pong.batch_kind gives them per mode (one plan per
+micro-batch for serial, laid out at --tokens-per-rank; for serial_tight one plan of the micro-batch laid
+out at the fewest tokens per rank that hold it, ``pad_to_budget=False``; for layer_ping_pong the two
+nano-batches hf_distca.data.nano splits it into, each laid out at its own tokens per rank and planned on
+its own) planned under the mode's DistCAConfig (bench_ping_pong.MODE_CONFIG) with the cost table that
+``cost_table="auto"`` resolves to on that GPU for the kernel 'auto' ran, and priced by
+simulate.price_plans with that table: the serial schedule for one plan, the layer-level one
+(hf_distca.planning.schedule.layer_ping_pong) for several, as simulate prices ``distca`` and
+``distca-layers``. Tables run with ``--passes 2`` or more have each mode's step time of every pass: the
+prediction (which prices no cuDNN plan builds) is compared with the second, warm pass (no new plans: the
+steady state) and with the first. The ratios serial / serial_tight (dropped padding), serial /
+layer_ping_pong and serial_tight / layer_ping_pong (the nano-batch split by itself) per (sample, tokens
+per rank) are what the check is for.
+
 Nothing here is fitted to these measurements: the simulator's constants come from other runs
-(kernels_h200.md, DESIGN.md's 4-layer straggler and 8-layer fit, the NCCL all-to-all figures).
+(kernels_h200.md, the shipped cost tables, DESIGN.md's 4-layer straggler and 8-layer fit, the NCCL
+all-to-all figures).
 
     python benchmarks/check_simulator.py --results benchmarks/results/remat_2xh200.md \\
-        --results benchmarks/results/cudnn_step_2xh200.md --doc-lengths prolong=PATH/doclens_prolong.json \\
+        --results benchmarks/results/cudnn_step_2xh200.md --results benchmarks/results/layer_ping_pong_1xh200.md \\
+        --doc-lengths prolong=PATH/doclens_prolong.json --doc-lengths pretrain=PATH/doclens_pretrain.json \\
         --out OUT/simulator_check_tables.md
 
 prints (and with ``--out`` writes) the tables of benchmarks/results/simulator_check_2xh200.md.
@@ -33,16 +51,20 @@ import statistics
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from importlib import resources
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_ping_pong  # noqa: E402  (its parser, modes and nano-batches per mode)
 import bench_remat  # noqa: E402  (its command-line parser: the results tables hold its commands)
 import common  # noqa: E402
 import simulate as sim  # noqa: E402
 
 from hf_distca.config import DistCAConfig  # noqa: E402
+from hf_distca.cost_tables import find_shipped_table  # noqa: E402
 from hf_distca.data.baselines import LAYOUTS  # noqa: E402
+from hf_distca.data.nano import NANO_BATCHES  # noqa: E402
 from hf_distca.planning import plan_core_attention  # noqa: E402
 from hf_distca.planning.cost import cost_model_from_config  # noqa: E402
 from hf_distca.planning.links import attention_flops_per_pair  # noqa: E402
@@ -52,6 +74,14 @@ RECOMPUTE = {"remat": "remat", "recompute": "full"}
 ATTENTION_ROW = "core-attention forward alone, all layers"
 BACKEND_KERNELS = {"auto": "torch_varlen", "torch_varlen": "torch_varlen"}
 """Backends whose kernel table the simulator has (kernels_h200.md, FA2 varlen; 'auto' chose it on H200)."""
+PING_PONG_MODES = ("serial", "serial_tight", "layer_ping_pong")
+"""bench_ping_pong modes priced here (the others exchange 1-byte messages or split attention calls)."""
+PING_PONG_RATIOS = (
+    ("serial", "serial_tight", "dropped padding"),
+    ("serial", "layer_ping_pong", "padding and split"),
+    ("serial_tight", "layer_ping_pong", "the split by itself"),
+)
+"""(numerator mode, denominator mode, what the ratio isolates) of the ping-pong ratio table."""
 
 
 @dataclass(frozen=True)
@@ -66,31 +96,77 @@ class Measured:
     mode: str
     """Checkpointing mode ('remat', 'recompute', 'none') or ATTENTION_ROW."""
     backend: str
-    """Kernel backend of the run ('auto' when the table names none)."""
+    """Kernel backend of the run ('auto' when the table names none); bench_ping_pong rows: the kernel the
+    run's --backend resolved to (see :func:`parse_results`)."""
     seconds: float
     sent_gib: float | None
     """Core-attention bytes sent per step (GiB, max over ranks and steps); None for the attention-alone row."""
     imbalance: tuple[float, float] | None
     """Attention imbalance before -> after the plan (first timed step); None for the attention-alone row."""
     command: str
-    """The table's bench_remat command."""
+    """The table's bench_remat (or bench_ping_pong) command."""
+    tokens_per_rank: int | None = None
+    """bench_ping_pong rows: the row's tokens per rank (None: a bench_remat row, one size per command)."""
+    fwd_kernels: int | None = None
+    """bench_ping_pong rows: attention forward kernel runs per step (max over timed steps and ranks)."""
+    device: str = ""
+    """bench_ping_pong rows: the GPU model of the section header (e.g. 'NVIDIA H200')."""
+    profiled_span_s: float | None = None
+    """bench_ping_pong rows with a timeline: seconds from the first to the last GPU kernel of the one
+    profiled step (the mode's last micro-batch, run again after a warm step)."""
+    later_s: tuple[float, ...] = ()
+    """bench_ping_pong rows of a ``--passes 2+`` table: the step time (s) of each pass after the first
+    (column 'later passes'); empty for a one-pass table. ``seconds`` is the first pass's."""
+    plans_built: tuple[int, ...] = ()
+    """bench_ping_pong rows of a ``--passes 2+`` table: cuDNN plans built during each pass, first first."""
+
+    @property
+    def warm_s(self) -> float | None:
+        """Step time of the second pass (every shape seen once, no new cuDNN plans); None without one."""
+        return self.later_s[0] if self.later_s else None
 
 
 _HEADER = re.compile(r"^## Checkpointing modes, (\d+) x ")
+_PING_PONG = re.compile(r"^## Ping-pong, (\d+) x ([^,]+),")
 _COMMAND = re.compile(r"^Command: `(.*)`\s*$")
+_CUDNN = re.compile(r"^Software: .*\bcudnn \d")
+_TIMELINE = re.compile(r"^### Timeline: (.+), (\w+) \(")
+_SPAN = re.compile(r"^Step: kernels from first to last ([\d.]+) ms")
+_PASS = re.compile(r"^([\d.]+)(?: \([\d.]+x\))?$")
 
 
 def parse_results(text: str, source: str) -> list[Measured]:
-    """Every timed row of the bench_remat tables in ``text`` (sections '## Checkpointing modes, N x ...')."""
+    """Every timed row of the bench_remat tables in ``text`` (sections '## Checkpointing modes, N x ...')
+    and of the bench_ping_pong tables (sections '## Ping-pong, N x GPU, ...', with the kernel span of each
+    profiled step from its '### Timeline' subsection, and with ``--passes 2+`` the later passes' step
+    times and the cuDNN plans built per pass from the two last columns; tables without them parse as
+    one pass). A ping-pong row's tokens per rank is the size of
+    its command's --tokens-per-rank that its label names; its backend is the command's --backend, 'auto'
+    resolved as hf_distca.kernels resolves it (cudnn first): 'cudnn' when the file's 'Software:' line
+    says cudnn imported, else 'torch_varlen'."""
     rows: list[Measured] = []
-    world = command = None
+    world = command = timeline = None
+    section, ping_pong, device = 0, False, ""
+    cudnn = any(_CUDNN.match(line) for line in text.splitlines())
+    labels: dict[int, tuple] = {}  # index in rows -> (section, 'sample / size', mode) of a ping-pong row
+    spans: dict[tuple, float] = {}  # (section, 'sample / size', mode) -> profiled kernel span (s)
     for line in text.splitlines():
-        header = _HEADER.match(line)
+        header = _HEADER.match(line) or _PING_PONG.match(line)
         if header:
-            world, command = int(header.group(1)), None
+            world, command, timeline, section = int(header.group(1)), None, None, section + 1
+            ping_pong = header.re is _PING_PONG
+            device = header.group(2).strip() if ping_pong else ""
             continue
-        if line.startswith("## "):
+        found = _TIMELINE.match(line)
+        if found and ping_pong and world is not None:
+            timeline = (section, found.group(1), found.group(2))
+            continue
+        if line.startswith("#"):
             world = None
+            continue
+        found = _SPAN.match(line)
+        if found and timeline is not None:
+            spans[timeline] = float(found.group(1)) / 1e3
             continue
         found = _COMMAND.match(line)
         if found and world is not None:
@@ -103,6 +179,10 @@ def parse_results(text: str, source: str) -> list[Measured]:
             seconds = float(cells[2])
         except ValueError:  # out of memory / not run
             continue
+        if ping_pong:
+            labels[len(rows)] = (section, cells[0].split(" (")[0], cells[1])
+            rows.append(_ping_pong_row(cells, seconds, source, world, device, command, cudnn))
+            continue
         sample = cells[0].split(" (")[0]
         mode, backend = cells[1], "auto"
         if mode.endswith(")") and " (" in mode:
@@ -112,16 +192,51 @@ def parse_results(text: str, source: str) -> list[Measured]:
             sent = float(cells[6])
             imbalance = tuple(float(x) for x in cells[7].split("->"))
         rows.append(Measured(source, world, sample, mode, backend, seconds, sent, imbalance, command))
+    for i, key in labels.items():
+        rows[i] = dataclasses.replace(rows[i], profiled_span_s=spans.get(key))
     return rows
+
+
+def _ping_pong_row(
+    cells: list[str], seconds: float, source: str, world: int, device: str, command: str, cudnn: bool
+) -> Measured:
+    """One row of a bench_ping_pong table ('sample / 32K (0%)', mode, step time, ..., and with
+    ``--passes 2+``: 'later passes' as '1.118 (1.07x)' per pass after the first, comma-separated, and
+    'cuDNN plans built per pass' as '2 / 0')."""
+    args = ping_pong_args(command)
+    sample, _, size = cells[0].split(" (")[0].rpartition(" / ")
+    sizes = [int(x) for x in args.tokens_per_rank.split(",") if x]
+    tokens = {f"{t // 1024}K" if t >= 1024 else f"{t}": t for t in sizes}[size]  # bench_ping_pong's labels
+    backend = args.backend if args.backend != "auto" else ("cudnn" if cudnn else "torch_varlen")
+    imbalance = tuple(float(x) for x in cells[8].split("->"))
+    later: tuple[float, ...] = ()
+    built: tuple[int, ...] = ()
+    if len(cells) > 10 and cells[9]:
+        found = [_PASS.match(t.strip()) for t in cells[9].split(",")]
+        if not all(found):
+            raise ValueError(f"{source}: unreadable 'later passes' cell {cells[9]!r}")
+        later = tuple(float(m.group(1)) for m in found)
+        built = tuple(int(x) for x in cells[10].split("/"))
+    return Measured(
+        source, world, sample, cells[1], backend, seconds, float(cells[7]), imbalance, command, tokens,
+        int(cells[6]), device, later_s=later, plans_built=built,
+    )  # fmt: skip
+
+
+def _script_words(command: str, script: str) -> list[str]:
+    words = shlex.split(command)
+    return words[next(i for i, w in enumerate(words) if w.endswith(script)) + 1 :]
 
 
 def bench_args(command: str) -> argparse.Namespace:
     """The bench_remat options of a table's command that decide which micro-batches ran."""
-    words = shlex.split(command)
-    words = words[next(i for i, w in enumerate(words) if w.endswith("bench_remat.py")) + 1 :]
-    p = bench_remat.build_parser()
-    args, _ = p.parse_known_args(words)
+    args, _ = bench_remat.build_parser().parse_known_args(_script_words(command, "bench_remat.py"))
     return args
+
+
+def ping_pong_args(command: str) -> argparse.Namespace:
+    """bench_ping_pong's own parse of a table's command (seed, warm-up, steps, layout, layers ...)."""
+    return bench_ping_pong.parse_args(_script_words(command, "bench_ping_pong.py"))
 
 
 def rebuild_layouts(
@@ -136,10 +251,40 @@ def rebuild_layouts(
     return [b["distca_layout"].all_pieces for b in batches]
 
 
-def plan_as_engine(all_pieces, model: sim.ModelShape, backend: str):
-    """The plan DistCA's engine made for these pieces under bench_remat's config (engine.prepare._planned)
-    in the measured runs, which planned causal pairs (they predate ``cost_table="auto"``)."""
-    config = DistCAConfig(backend=backend, cost_table=None)
+def rebuild_nano_layouts(
+    sample: list[int],
+    tokens_per_rank: int,
+    args: argparse.Namespace,
+    *,
+    world: int,
+    nano_batches: int,
+    pad_to_budget: bool = True,
+) -> list[list[tuple]]:
+    """Per micro-batch bench_ping_pong trains with ``nano_batches`` per micro-batch and ``pad_to_budget``
+    (bench_ping_pong.batch_kind of a mode; its step_batches, on the CPU, with its parsed ``args``), every
+    rank's pieces of each nano-batch (one when it runs whole)."""
+    batches = common.step_batches(
+        sample, tokens_per_rank, args, rank=0, world=world, device=torch.device("cpu"), nano_batches=nano_batches,
+        pad_to_budget=pad_to_budget,
+    )  # fmt: skip
+    return [[part["distca_layout"].all_pieces for part in b.get(NANO_BATCHES, (b,))] for b in batches]
+
+
+def shipped_cost_table(device: str, backend: str, model: sim.ModelShape) -> str:
+    """Path of the shipped table ``DistCAConfig(cost_table="auto")`` resolves to for bf16 ``model`` heads
+    with ``backend`` on ``device`` (hf_distca.engine.cost_probe: on one process, or every rank finding the
+    same one): what the engine balanced in the run and what its kernels are priced with here."""
+    name = find_shipped_table(device, "bfloat16", model.heads, model.kv_heads, model.head_dim, backend)
+    if name is None:
+        raise SystemExit(
+            f"no shipped cost table for {device}, {backend}: the run's kernel has no measured table"
+        )
+    return str(resources.files("hf_distca.cost_tables") / name)
+
+
+def plan_as_engine(all_pieces, model: sim.ModelShape, config: DistCAConfig):
+    """The plan DistCA's engine made for these pieces under ``config`` (engine.prepare._planned). The
+    bench_remat runs planned causal pairs (they predate ``cost_table="auto"``): ``cost_table=None``."""
     return plan_core_attention(
         [list(p) for p in all_pieces],
         q_row_bytes=model.q_row_bytes,
@@ -194,6 +339,8 @@ def check(measured: Sequence[Measured], specs: dict[str, str]) -> list[tuple[Mea
     out = []
     cache: dict[tuple, list] = {}
     for row in measured:
+        if row.tokens_per_rank is not None:  # a bench_ping_pong row: check_ping_pong
+            continue
         if row.mode not in (*RECOMPUTE, ATTENTION_ROW) or row.backend not in BACKEND_KERNELS:
             continue
         if row.sample not in specs:
@@ -210,7 +357,8 @@ def check(measured: Sequence[Measured], specs: dict[str, str]) -> list[tuple[Mea
                 sample, world=row.world, tokens_per_rank=args.tokens_per_rank, count=args.warmup + args.steps,
                 seed=args.seed, layout=args.layout,
             )  # fmt: skip
-            cache[key] = [plan_as_engine(a, model, row.backend) for a in layouts[args.warmup :]]
+            config = DistCAConfig(backend=row.backend, cost_table=None)
+            cache[key] = [plan_as_engine(a, model, config) for a in layouts[args.warmup :]]
         setting = sim.Setting(
             row.world, args.tokens_per_rank, model, sim.KernelTable.from_kernel_rows(), sim.Links(),
             sim.LinearCost.from_measurements(), RECOMPUTE.get(row.mode, "remat"),
@@ -219,9 +367,153 @@ def check(measured: Sequence[Measured], specs: dict[str, str]) -> list[tuple[Mea
     return out
 
 
+@dataclass
+class PingPongPredicted:
+    """The simulator's figures of one bench_ping_pong row (medians over the timed steps)."""
+
+    step_s: float
+    """Schedule time: serial for one plan, layer-level ping-pong for two nano-batches."""
+    linear_s: float
+    attention_s: float
+    comm_s: float
+    """Parts, slowest rank, summed over a micro-batch's nano-batches."""
+    tokens_per_rank: float
+    """Tokens computed per rank, padding included (a nano-batch is laid out at its own tokens per rank)."""
+    fwd_kernels: int
+    """Attention forward kernel runs per step: layers x the most plans of a timed micro-batch."""
+    last_step_s: float
+    """Schedule time of the last timed micro-batch (the one bench_ping_pong profiles)."""
+
+
+def predict_ping_pong(micro_batches: Sequence[Sequence], setting: sim.Setting) -> PingPongPredicted:
+    """Price each micro-batch's plans (one per nano-batch) with simulate.price_plans, as
+    simulate.simulate_micro_batch prices ``distca-layers``: several plans on the layer-level schedule, one
+    (serial mode, or a micro-batch too small to split) on the serial schedule."""
+    priced = [
+        sim.price_plans(plans, setting, "layers" if len(plans) > 1 else "serial") for plans in micro_batches
+    ]
+    tokens = [
+        sum(t.q_len for plan in plans for tasks in plan.tasks for t in tasks) / setting.world
+        for plans in micro_batches
+    ]
+    return PingPongPredicted(
+        statistics.median(mb.step_s for mb in priced),
+        statistics.median(float(mb.linear.max()) for mb in priced),
+        statistics.median(float(mb.attention.max()) for mb in priced),
+        statistics.median(mb.comm for mb in priced),
+        statistics.median(tokens),
+        setting.model.layers * max(len(plans) for plans in micro_batches),
+        priced[-1].step_s,
+    )
+
+
+def check_ping_pong(
+    measured: Sequence[Measured], specs: dict[str, str]
+) -> list[tuple[Measured, PingPongPredicted]]:
+    """Every bench_ping_pong row of PING_PONG_MODES with its prediction: the timed micro-batches of the
+    row's mode rebuilt (bench_ping_pong.batch_kind: nano-batches and padding per mode), planned under the mode's DistCAConfig
+    and the run's cost table, priced with that table and the linear fit at the command's layer count.
+    ``specs``: sample name -> --doc-lengths value."""
+    out = []
+    for row in measured:
+        if row.tokens_per_rank is None or row.mode not in PING_PONG_MODES:
+            continue
+        if row.sample not in specs:
+            raise SystemExit(
+                f"{row.source}: sample {row.sample!r} has no --doc-lengths here (give name=PATH)"
+            )
+        args = ping_pong_args(row.command)
+        if args.model != "llama3-8b-shaped" or args.checkpointing != "remat":
+            raise SystemExit(f"{row.source}: the simulator models llama3-8b-shaped with remat checkpointing")
+        model = dataclasses.replace(sim.ModelShape(), layers=args.layers)
+        table = shipped_cost_table(row.device, row.backend, model)
+        config = DistCAConfig(backend=args.backend, cost_table=table, **bench_ping_pong.MODE_CONFIG[row.mode])
+        sample = common.load_lengths(specs[row.sample], args.seed)[1]
+        nano_batches, pad_to_budget = bench_ping_pong.batch_kind(row.mode)
+        layouts = rebuild_nano_layouts(
+            sample, row.tokens_per_rank, args, world=row.world, nano_batches=nano_batches,
+            pad_to_budget=pad_to_budget,
+        )  # fmt: skip
+        plans = [[plan_as_engine(p, model, config) for p in nanos] for nanos in layouts[args.warmup :]]
+        setting = sim.Setting(
+            row.world, row.tokens_per_rank, model, sim.KernelTable.from_json(table), sim.Links(),
+            sim.LinearCost.from_measurements(),
+        )  # fmt: skip
+        out.append((row, predict_ping_pong(plans, setting)))
+    return out
+
+
+def _error(predicted: float, measured: float | None) -> str:
+    return "" if measured is None else f"{100 * (predicted - measured) / measured:+.1f}%"
+
+
+def ping_pong_report(pairs: Sequence[tuple[Measured, PingPongPredicted]]) -> list[str]:
+    """The ping-pong tables (markdown lines): per row measured (second pass where the table has one, and
+    first) vs predicted, then the ratios of PING_PONG_RATIOS."""
+    if not pairs:
+        return []
+
+    def setting(row: Measured) -> str:
+        size = f"{row.tokens_per_rank // 1024}K" if row.tokens_per_rank >= 1024 else f"{row.tokens_per_rank}"
+        return f"{row.sample} / {size}, {row.world} x {row.device}, {row.backend} table"
+
+    def seconds(value: float | None) -> str:
+        return "" if value is None else f"{value:.3f}"
+
+    lines = [
+        "",
+        "bench_ping_pong's modes on the same documents (predicted: simulate.price_plans, the serial schedule for "
+        "one plan, the layer-level one for two nano-batches; measured: the second pass, every shape seen once "
+        "and no cuDNN plan built, and the first pass, which builds them; the simulator prices no plan builds):",
+        "",
+        "| setting | file | mode | measured s: 2nd pass | 1st pass | predicted s | error vs 2nd pass "
+        "| error vs 1st pass | cuDNN plans built per pass | predicted linear / attention / comm s "
+        "| predicted tokens / rank | attn fwd kernels / step: measured / predicted "
+        "| profiled step (last micro-batch): kernel span / predicted s |",
+        "|---|---|---|---:|---:|---:|---:|---:|---|---|---:|---|---|",
+    ]
+    for row, pred in pairs:
+        span = row.profiled_span_s
+        profiled = (
+            "" if span is None else f"{span:.3f} / {pred.last_step_s:.3f} ({_error(pred.last_step_s, span)})"
+        )
+        lines.append(
+            f"| {setting(row)} | {os.path.basename(row.source)} | {row.mode} | {seconds(row.warm_s)} "
+            f"| {row.seconds:.3f} | {pred.step_s:.3f} | {_error(pred.step_s, row.warm_s)} "
+            f"| {_error(pred.step_s, row.seconds)} | {' / '.join(str(n) for n in row.plans_built)} "
+            f"| {pred.linear_s:.3f} / {pred.attention_s:.3f} / {pred.comm_s:.3f} | {pred.tokens_per_rank:.0f} "
+            f"| {row.fwd_kernels} / {pred.fwd_kernels} | {profiled} |"
+        )
+    lines += [
+        "",
+        "| setting | file | ratio (what it isolates) | measured: 2nd pass | 1st pass | predicted "
+        "| error vs 2nd pass | error vs 1st pass |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    by_key = {(r.source, r.world, r.sample, r.tokens_per_rank, r.mode): (r, p) for r, p in pairs}
+    settings = list(dict.fromkeys(key[:4] for key in by_key))
+    for key in settings:
+        for top, bottom, what in PING_PONG_RATIOS:
+            a, b = by_key.get((*key, top)), by_key.get((*key, bottom))
+            if a is None or b is None:
+                continue
+            (ra, pa), (rb, pb) = a, b
+            warm = ra.warm_s / rb.warm_s if ra.warm_s is not None and rb.warm_s is not None else None
+            first, predicted = ra.seconds / rb.seconds, pa.step_s / pb.step_s
+            lines.append(
+                f"| {setting(ra)} | {os.path.basename(ra.source)} | {top} / {bottom} ({what}) | {seconds(warm)} "
+                f"| {first:.3f} | {predicted:.3f} | {_error(predicted, warm)} | {_error(predicted, first)} |"
+            )
+    return lines
+
+
 def portable_command(argv: Sequence[str]) -> str:
     """The command with the directories of ``--doc-lengths name=PATH`` files replaced by ``<shared data>``."""
-    words = [sim.portable(arg, "<shared data>") for arg in argv]
+    words, before = [], ""
+    for arg in argv:
+        spec = before == "--doc-lengths" or arg.startswith("--doc-lengths=")
+        words.append(sim.portable(arg, "<shared data>") if spec else arg)
+        before = arg
     return "python benchmarks/check_simulator.py " + " ".join(shlex.quote(w) for w in words)
 
 
@@ -230,8 +522,12 @@ def _setting(row: Measured) -> str:
     return f"{row.sample}, {row.world} GPU{'s' if row.world > 1 else ''}{link}"
 
 
-def report(pairs: list[tuple[Measured, Predicted]], command: str) -> str:
-    """The comparison tables (markdown)."""
+def report(
+    pairs: list[tuple[Measured, Predicted]],
+    command: str,
+    ping_pong: Sequence[tuple[Measured, PingPongPredicted]] = (),
+) -> str:
+    """The comparison tables (markdown); ``ping_pong``: the bench_ping_pong rows' (see ping_pong_report)."""
     lines = [
         "| setting | file | measured s | predicted s | error | predicted linear / attention / comm s "
         "| GiB sent / step: measured / predicted | imbalance before -> after: measured / predicted |",
@@ -270,14 +566,17 @@ def report(pairs: list[tuple[Measured, Predicted]], command: str) -> str:
                 f"| {os.path.basename(a.source)} | {a.world} | {a.mode} | {a.sample} - {b.sample} | {measured:.3f} "
                 f"| {predicted:.3f} | {100 * (predicted - measured) / measured:+.1f}% |"
             )
-    lines += ["", f"Command: `{command}`"]
+    lines += [*ping_pong_report(ping_pong), "", f"Command: `{command}`"]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> str:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "--results", action="append", required=True, help="a bench_remat markdown file (repeatable)"
+        "--results",
+        action="append",
+        required=True,
+        help="a bench_remat or bench_ping_pong markdown file (repeatable)",
     )
     p.add_argument(
         "--doc-lengths", action="append", default=[], help="name=path.json of a sample the tables name "
@@ -290,7 +589,8 @@ def main(argv: Sequence[str] | None = None) -> str:
         with open(path) as f:
             measured += parse_results(f.read(), path)
     specs = {"mix": "mix"} | {s.partition("=")[0]: s for s in args.doc_lengths}
-    table = report(check(measured, specs), portable_command(sys.argv[1:] if argv is None else argv))
+    command = portable_command(sys.argv[1:] if argv is None else argv)
+    table = report(check(measured, specs), command, check_ping_pong(measured, specs))
     if args.out:
         with open(args.out, "w") as f:
             f.write(table)

@@ -199,12 +199,15 @@ def build_batches(
     layout: LayoutFn,
     device: torch.device,
     nano_batches: int = 1,
+    pad_to_budget: bool = True,
 ) -> list[dict]:
     """This rank's first ``count`` micro-batches of documents drawn (seeded) from the length ``sample``,
     placed on the ranks by ``layout`` (hf_distca.data.baselines.LAYOUTS), moved to ``device``. With
     ``nano_batches`` > 1 a micro-batch that splits holds its nano-batches' inputs under
     ``hf_distca.data.nano.NANO_BATCHES`` (each with the whole micro-batch's ``num_targets``: their losses
-    add up to the micro-batch's), for :func:`hf_distca.forward_nano_batches`."""
+    add up to the micro-batch's), for :func:`hf_distca.forward_nano_batches`. ``pad_to_budget``: as
+    :class:`hf_distca.data.DistCABatches`' (False: a micro-batch that runs whole at its fewest tokens per
+    rank)."""
     rng = np.random.default_rng(seed)
     wanted = count * tokens_per_rank * world * 3
     lengths: list[int] = []
@@ -219,6 +222,7 @@ def build_batches(
         seed=seed,
         layout=layout,
         nano_batches=nano_batches,
+        pad_to_budget=pad_to_budget,
     )
 
     def model_inputs(batch: dict, targets: int) -> dict:
@@ -253,15 +257,16 @@ def step_batches(
     device: torch.device,
     extra: int = 0,
     nano_batches: int = 1,
+    pad_to_budget: bool = True,
 ) -> list[dict]:
     """:func:`build_batches` for a benchmark's timed steps: ``extra + args.warmup + args.steps`` micro-batches,
     seeded by ``args.seed``, laid out by ``args.layout`` (a name in hf_distca.data.baselines.LAYOUTS), with
-    ``nano_batches`` per micro-batch."""
+    ``nano_batches`` per micro-batch and ``pad_to_budget`` as :func:`build_batches`'."""
     count = extra + args.warmup + args.steps
     layout = LAYOUTS[args.layout]
     return build_batches(
         sample, tokens_per_rank, count, rank=rank, world=world, seed=args.seed, layout=layout, device=device,
-        nano_batches=nano_batches,
+        nano_batches=nano_batches, pad_to_budget=pad_to_budget,
     )  # fmt: skip
 
 

@@ -32,6 +32,10 @@ bandwidth per GPU) and prices every rank's work:
   ``distca-comm-layers-relay``: distca-comm-layers with ``DistCAConfig(kv_relay=True)``, KV rows
   crossing nodes once per destination node through a relay rank (:mod:`hf_distca.planning.relay`; each
   phase that carries KV is two all-to-alls, back to back, as the engine chains them).
+- padding: the systems through DistCA's data path (all but hf-default) lay out a micro-batch that runs
+  whole at the fewest tokens per rank that hold it, as ``DistCAConfig.pad_to_budget=False`` (the default)
+  makes ``DistCABatches`` do, and as nano-batches always are; ``--pad-to-budget``: at ``--tokens-per-rank``
+  (padding runs through the non-attention work). hf-default packs to the budget.
 - core attention: every CA-task (queries [a, b) of a document over keys [0, b)) costs its causal
   (query, key) pairs over the measured rate of its shape, per layer: forward + backward (the
   ``remat`` recompute mode, rematerialization-aware checkpointing: attention is not run again) or
@@ -433,6 +437,18 @@ class Setting:
     recompute: str = "remat"
     """'remat': attention forward once (rematerialization-aware checkpointing); 'full': recomputed."""
     grad_accum: int = 1
+    pad_to_budget: bool = False
+    """``DistCAConfig.pad_to_budget``: DistCA's data path lays out a micro-batch that runs whole at
+    ``tokens_per_rank`` (True) or at the fewest tokens per rank that hold it (False, the default)."""
+
+
+def whole_tokens_per_rank(system: System, lengths: Sequence[int], s: Setting) -> int:
+    """Tokens per rank a micro-batch of ``system`` that runs whole is laid out at: the fewest that hold it
+    unless ``s.pad_to_budget``, as ``DistCABatches`` does; hf-default (Transformers' packing into rows of
+    the budget) at the budget."""
+    if s.pad_to_budget or system.layout == "hf-default":
+        return s.tokens_per_rank
+    return nano_tokens_per_rank([[int(n) for n in lengths]], s.world)[0]
 
 
 @dataclass
@@ -564,7 +580,9 @@ def simulate_micro_batch(
             mb.plan_s = plan_s
             return mb
         system = dataclasses.replace(system, schedule="serial")  # too few documents: the engine runs it whole
-    pieces, plan, plan_s = plan_layout(system, lengths, s, s.tokens_per_rank, tolerance)
+    pieces, plan, plan_s = plan_layout(
+        system, lengths, s, whole_tokens_per_rank(system, lengths, s), tolerance
+    )
     if plan is None:  # every piece its own sequence, ranks meet only at the gradient reduction
         layers = s.model.layers
         linear = np.array([s.linear.seconds(sum(p.length for p in r), layers) for r in pieces])
@@ -861,7 +879,7 @@ def run_grid(args, log=print) -> tuple[list[Row], dict]:
                 for inter in bandwidths:
                     links = Links(args.gpus_per_node, intra, inter or args.inter_node_gibps[0])
                     settings.append((inter, Setting(world, tokens_per_rank, model, kernels, links, linear,
-                                                    args.recompute, args.grad_accum)))  # fmt: skip
+                                                    args.recompute, args.grad_accum, args.pad_to_budget)))  # fmt: skip
                 tasks.append((name, tokens_per_rank, world, steps, settings, args.systems, args.tolerance))
     if args.jobs > 1:  # settings in parallel processes (forked: the tables come along), rows in order
         import multiprocessing
@@ -988,6 +1006,15 @@ def write_report(rows: list[Row], info: dict, args, command: str) -> str:
         ),
         f"- {args.steps} optimizer steps of {args.grad_accum} micro-batch(es) per setting, seed {args.seed}; "
         "every system trains the same documents per step",
+        "- padding: "
+        + (
+            "every micro-batch that runs whole is laid out at --tokens-per-rank (--pad-to-budget, "
+            "DistCAConfig(pad_to_budget=True)): its unfilled room runs through the non-attention work as padding"
+            if args.pad_to_budget
+            else "the systems through DistCA's data path (all but hf-default) lay out a micro-batch that runs "
+            "whole at the fewest tokens per rank that hold it (DistCAConfig.pad_to_budget=False, the default; "
+            "nano-batches always are); hf-default packs to --tokens-per-rank"
+        ),
         "- schedules (hf_distca.planning.schedule, timed by its list scheduler: per rank one compute stream "
         "and one communication channel, every all-to-all a collective that starts once every rank has started "
         "it and lasts as long as the slowest rank's transfer; a wait blocks the compute stream): serial for "
@@ -1255,6 +1282,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the DistCA system of the goal table (DistCA's default settings)",
     )
     p.add_argument("--layers", type=int, default=32)
+    p.add_argument(
+        "--pad-to-budget",
+        action="store_true",
+        help="DistCA's data path pads each whole micro-batch to --tokens-per-rank (DistCAConfig.pad_to_budget)",
+    )
     p.add_argument("--recompute", choices=("remat", "full"), default="remat")
     p.add_argument("--kernel-table", default=None, help="JSON from python -m hf_distca.calibrate")
     p.add_argument(

@@ -170,6 +170,7 @@ class DistCACallback(TrainerCallback):
             disaggregate=self.disaggregate,
             nano_batches=2 if self.config.layer_ping_pong else 1,
             prefetch_plans=self.config.prefetch_plans,
+            pad_to_budget=self.config.pad_to_budget,
             layout=self.layout
             or functools.partial(layout_balanced, ranks_per_node=self.config.ranks_per_node),
         )

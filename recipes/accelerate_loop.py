@@ -82,6 +82,7 @@ def rank_batches(accelerator: Accelerator, documents, args: argparse.Namespace) 
         max_steps=args.max_steps,
         nano_batches=2 if getattr(args, "layer_ping_pong", False) else 1,  # DistCAConfig.layer_ping_pong
         prefetch_plans=getattr(args, "prefetch_plans", False),  # DistCAConfig.prefetch_plans
+        pad_to_budget=getattr(args, "pad_to_budget", False),  # DistCAConfig.pad_to_budget
     )
 
 

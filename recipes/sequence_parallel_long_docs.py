@@ -104,6 +104,7 @@ def packed_rows(documents, args, world: int) -> list[dict]:
         seed=args.seed,
         max_steps=args.max_steps,
         disaggregate=True,
+        pad_to_budget=True,  # every row world x tokens_per_rank long: Ulysses cuts it evenly over the ranks
     )
     rows = []
     for epoch in itertools.count():

@@ -219,8 +219,10 @@ def test_layout_load_is_the_planner_load_before_in_every_mode():
             for doc_indices in batches.step(step):
                 batch = next(yielded)
                 assert batches.current_step == step
+                # laid out at the fewest tokens per rank that hold it (pad_to_budget=False, the default)
+                tokens = -(-sum(len(docs[i][:768]) for i in doc_indices) // 3)
                 all_pieces = layout_micro_batch(
-                    [docs[i][:768] for i in doc_indices], world_size=3, tokens_per_rank=256
+                    [docs[i][:768] for i in doc_indices], world_size=3, tokens_per_rank=tokens
                 )[0].all_pieces
                 if disaggregate:
                     assert batch["distca_layout"].all_pieces == all_pieces
@@ -228,7 +230,7 @@ def test_layout_load_is_the_planner_load_before_in_every_mode():
                 load = [a + b for a, b in zip(load, plan.load_before)]
                 cut += sum(p.doc_start > 0 for pieces in all_pieces for p in pieces)
                 token_pieces = layout_pieces(
-                    [len(docs[i][:768]) for i in doc_indices], world_size=3, tokens_per_rank=256
+                    [len(docs[i][:768]) for i in doc_indices], world_size=3, tokens_per_rank=tokens
                 )
                 token_plan = plan_core_attention(token_pieces, q_row_bytes=1, kv_row_bytes=1)
                 token_load = [a + b for a, b in zip(token_load, token_plan.load_before)]

@@ -1,4 +1,5 @@
-"""benchmarks/check_simulator.py: it rebuilds the micro-batches bench_remat trained and reads its tables.
+"""benchmarks/check_simulator.py: it rebuilds the micro-batches bench_remat and bench_ping_pong trained and
+reads their tables (bench_ping_pong's with or without the ``--passes`` columns).
 
 CPU only, no processes. The rebuild is the benchmarks' own build_batches (benchmarks/common.py) on the CPU; what the check relies
 on is that every rank's copy carries every rank's pieces (it reads rank 0's) and that those pieces are the
@@ -8,7 +9,10 @@ the table's own command send exactly the bytes the GPU run counted and have its 
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
+import statistics
 import sys
 
 import pytest
@@ -109,3 +113,235 @@ def test_rebuilt_plans_send_the_bytes_the_gpu_run_counted():
         assert tuple(round(x, 2) for x in predicted.imbalance) == row.imbalance
     linear = sim.LinearCost.from_measurements().seconds(65536, 8)
     assert all(p.linear_s == pytest.approx(linear, rel=1e-12) for _, p in checked)
+
+
+PING_PONG_COMMAND = (
+    "NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 1 benchmarks/bench_ping_pong.py --layers 2 "
+    "--tokens-per-rank 4096,65536 --doc-lengths tiny=.gpu/tiny.json --modes serial,layer_ping_pong "
+    "--link none --warmup 1 --steps 3 --seed 0"
+)
+PING_PONG_FIXTURE = f"""# Layer-level ping-pong
+
+Machine: NVIDIA H200, 580.159.04, 143771 MiB
+Software: 3.12.3, torch 2.11.0+cu130, transformers 5.17.0, fla not importable, cudnn 1.32.0
+
+## Ping-pong, 1 x NVIDIA H200, link: none, llama3-8b-shaped (2 layers)
+
+Command: `{PING_PONG_COMMAND}`
+
+| sample / tokens per rank (tokens in docs >= 16K) | mode | step time (s) | vs serial | vs signal | peak memory (GiB) | \
+attn fwd kernels / step | core-attn bytes sent / step (GiB) | imbalance before -> after |
+|---|---|---|---|---|---|---|---|---|
+| tiny / 4K (0%) | serial | 1.263 | 1.00x faster |  | 33.7 | 2 | 0.000 | 1.00 -> 1.00 |
+| tiny / 4K (0%) | layer_ping_pong | 1.285 | 0.98x faster |  | 36.3 | 4 | 0.000 | 1.00 -> 1.00 |
+| tiny / 64K (0%) | serial | out of memory | | | | | | |
+
+### Timeline: tiny / 4K, layer_ping_pong (one profiled step, rank 0, per layer and pass)
+
+| layer | comm kernels (ms) | hidden behind compute (ms) | exposed (ms) | server kernels (ms) | stages in start order |
+|---|---|---|---|---|---|
+| bwd 1 | 0.00 | 0.00 (100%) | 0.00 | 8.47 | dispatch.1 dispatch.0 |
+| all | 0.0 | 0.0 (100%) | 0.0 | 69.4 | |
+
+Step: kernels from first to last 1200.4 ms, compute idle 32.5 ms. NCCL kernels (all of them, DDP's too): .
+
+## Ping-pong, 2 x NVIDIA H100 80GB HBM3, link: nvlink, llama3-8b-shaped (2 layers)
+
+Command: `torchrun --nproc-per-node 2 benchmarks/bench_ping_pong.py --layers 2 --tokens-per-rank 512 --backend torch_varlen`
+
+| sample / tokens per rank (tokens in docs >= 16K) | mode | step time (s) | vs serial | vs signal | peak memory (GiB) | \
+attn fwd kernels / step | core-attn bytes sent / step (GiB) | imbalance before -> after |
+|---|---|---|---|---|---|---|---|---|
+| mix / 512 (60%) | ping_pong | 0.500 | 1.10x faster | 1.020 | 3.0 | 4 | 0.125 | 1.30 -> 1.01 |
+{FIXTURE.split("# Title", 1)[1]}"""
+
+
+PASSES_COMMAND = (
+    "NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 1 benchmarks/bench_ping_pong.py --layers 2 "
+    "--tokens-per-rank 4096 --doc-lengths tiny=.gpu/tiny.json --modes serial,serial_tight,layer_ping_pong "
+    "--passes 2 --link none --warmup 1 --steps 3 --seed 0"
+)
+PASSES_FIXTURE = f"""# Layer-level ping-pong, two passes
+
+Machine: NVIDIA H200, 580.159.04, 143771 MiB
+Software: 3.12.3, torch 2.11.0+cu130, transformers 5.17.0, fla not importable, cudnn 1.32.0
+
+## Ping-pong, 1 x NVIDIA H200, link: none, llama3-8b-shaped (2 layers)
+
+Command: `{PASSES_COMMAND}`
+
+| sample / tokens per rank (tokens in docs >= 16K) | mode | step time (s) | vs serial | vs signal | peak memory (GiB) | \
+attn fwd kernels / step | core-attn bytes sent / step (GiB) | imbalance before -> after | later passes: step time (s), \
+vs serial | cuDNN plans built per pass |
+|---|---|---|---|---|---|---|---|---|---|---|
+| tiny / 4K (0%) | serial | 1.289 | 1.00x faster |  | 33.7 | 2 | 0.000 | 1.00 -> 1.00 | 1.201 (1.00x) | 8 / 0 |
+| tiny / 4K (0%) | serial_tight | 1.174 | 1.10x faster |  | 28.4 | 2 | 0.000 | 1.00 -> 1.00 | 1.118 (1.07x) | 2 / 0 |
+| tiny / 4K (0%) | layer_ping_pong | 1.274 | 1.01x faster |  | 36.3 | 4 | 0.000 | 1.00 -> 1.00 | 1.127 (1.07x) | 10 / 0 |
+"""
+
+
+def test_parse_results_reads_later_passes_and_plans_built():
+    """A --passes table: the first pass stays ``seconds``, the 'later passes' column gives the warm step
+    times (the second pass first), the last column the cuDNN plans built per pass; serial_tight parses."""
+    rows = cs.parse_results(PASSES_FIXTURE, "passes.md")
+    got = [
+        (r.mode, r.tokens_per_rank, r.seconds, r.later_s, r.warm_s, r.plans_built, r.fwd_kernels)
+        for r in rows
+    ]
+    assert got == [
+        ("serial", 4096, 1.289, (1.201,), 1.201, (8, 0), 2),
+        ("serial_tight", 4096, 1.174, (1.118,), 1.118, (2, 0), 2),
+        ("layer_ping_pong", 4096, 1.274, (1.127,), 1.127, (10, 0), 4),
+    ]  # fmt: skip
+    assert cs.ping_pong_args(rows[0].command).passes == 2
+    # --passes 3: the later passes comma-separated, the second pass first
+    three = PASSES_FIXTURE.replace("--passes 2", "--passes 3").replace(
+        "1.127 (1.07x) | 10 / 0 |", "1.127 (1.07x), 1.120 (1.07x) | 10 / 0 / 1 |"
+    )
+    last = cs.parse_results(three, "passes.md")[-1]
+    assert (last.later_s, last.warm_s, last.plans_built) == ((1.127, 1.120), 1.127, (10, 0, 1))
+    # a one-pass table (no such columns) has no warm pass
+    assert all(r.later_s == () and r.warm_s is None and r.plans_built == ()
+               for r in cs.parse_results(PING_PONG_FIXTURE, "pp.md"))  # fmt: skip
+
+
+def test_parse_results_reads_bench_ping_pong_tables():
+    rows = cs.parse_results(PING_PONG_FIXTURE, "pp.md")
+    got = [
+        (r.world, r.sample, r.tokens_per_rank, r.mode, r.backend, r.seconds, r.sent_gib, r.imbalance,
+         r.fwd_kernels, r.device, r.profiled_span_s)
+        for r in rows
+        if r.tokens_per_rank is not None
+    ]  # fmt: skip
+    assert got == [
+        (1, "tiny", 4096, "serial", "cudnn", 1.263, 0.0, (1.0, 1.0), 2, "NVIDIA H200", None),
+        (1, "tiny", 4096, "layer_ping_pong", "cudnn", 1.285, 0.0, (1.0, 1.0), 4, "NVIDIA H200", 1200.4 / 1e3),
+        (2, "mix", 512, "ping_pong", "torch_varlen", 0.5, 0.125, (1.30, 1.01), 4, "NVIDIA H100 80GB HBM3", None),
+    ]  # fmt: skip
+    # the bench_remat sections of the same file still parse as before (the timeline's rows are no steps)
+    assert [(r.world, r.mode) for r in rows if r.tokens_per_rank is None] == [
+        (2, "remat"), (2, cs.ATTENTION_ROW), (2, "remat"), (1, "recompute"),
+    ]  # fmt: skip
+    args = cs.ping_pong_args(rows[0].command)
+    assert (args.layers, args.seed, args.warmup, args.steps, args.layout) == (2, 0, 1, 3, "distca")
+    # without cudnn importable (no 'Software:' line saying so) 'auto' ran torch_varlen
+    no_cudnn = PING_PONG_FIXTURE.replace("cudnn 1.32.0", "cudnn not importable")
+    assert cs.parse_results(no_cudnn, "pp.md")[0].backend == "torch_varlen"
+
+
+def _tiny_ping_pong(tmp_path, fixture=PASSES_FIXTURE):
+    lengths = [300, 1200, 900, 2500, 700, 1800, 400, 3000, 150, 2200]
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(lengths))
+    rows = [r for r in cs.parse_results(fixture, "pp.md") if r.sample == "tiny" and r.tokens_per_rank == 4096]
+    return lengths, rows, cs.check_ping_pong(rows, {"tiny": f"tiny={path}"})
+
+
+def _priced_whole(lengths, tokens_per_rank, setting):
+    """simulate.py's step time of these documents run whole through DistCA's engine, laid out at
+    ``tokens_per_rank`` (its distca system's layout and plan, simulate.price_plans on the serial schedule)."""
+    _, plan, _ = sim.plan_layout(sim.SYSTEM_SPECS["distca"], lengths, setting, tokens_per_rank)
+    return sim.price_plans([plan], setting, "serial").step_s
+
+
+def test_modes_are_priced_as_simulate_prices_their_layouts(tmp_path):
+    """The rebuilt micro-batches of the three modes hold the same documents: serial's laid out at the
+    budget (padding computed), serial_tight's at the fewest tokens per rank that hold them
+    (pad_to_budget=False), layer_ping_pong's as two nano-batches (each at its own tokens per rank) on the
+    layer-level schedule; each priced exactly as simulate.py prices those layouts."""
+    lengths, rows, checked = _tiny_ping_pong(tmp_path)
+    (serial_row, serial), (tight_row, tight), (pp_row, pp) = checked
+    assert (serial_row.mode, tight_row.mode, pp_row.mode) == ("serial", "serial_tight", "layer_ping_pong")
+    assert (serial.fwd_kernels, tight.fwd_kernels, pp.fwd_kernels) == (2, 2, 4)  # 2 layers x plans
+    # the padding is dropped: fewer tokens than the budget, as many as the nano-batches carry
+    assert serial.tokens_per_rank == 4096 > tight.tokens_per_rank == pp.tokens_per_rank
+    assert tight.step_s < serial.step_s
+
+    args = cs.ping_pong_args(serial_row.command)
+    model = dataclasses.replace(sim.ModelShape(), layers=2)
+    table = cs.shipped_cost_table("NVIDIA H200", "cudnn", model)
+    assert table.endswith("h200_bf16_32x8x128_cudnn.json")
+    setting = sim.Setting(
+        1, 4096, model, sim.KernelTable.from_json(table), sim.Links(), sim.LinearCost.from_measurements()
+    )
+    whole = cs.rebuild_nano_layouts(lengths, 4096, args, world=1, nano_batches=1)
+    tight_layouts = cs.rebuild_nano_layouts(lengths, 4096, args, world=1, nano_batches=1, pad_to_budget=False)
+    nanos = cs.rebuild_nano_layouts(lengths, 4096, args, world=1, nano_batches=2)
+    expected: dict[str, list] = {"serial": [], "serial_tight": [], "layer_ping_pong": [], "tight_tokens": []}
+    for (micro,), (tight_pieces,), parts in zip(
+        whole[args.warmup :], tight_layouts[args.warmup :], nanos[args.warmup :], strict=True
+    ):
+        assert len(parts) == 2
+        docs = [n for nano in parts for _, _, n in nano[0]]  # one rank, no padding: whole documents
+        by_id = {doc: n for doc, _, n in micro[0]}
+        mb_lengths = [by_id[i] for i in range(len(docs))]  # ids past them: the padding pseudo-document
+        assert sorted(mb_lengths) == sorted(docs)  # the same documents in every mode
+        assert [n for _, _, n in tight_pieces[0]] == mb_lengths  # tight: those documents, nothing else
+        tight_tokens = sum(mb_lengths)
+        assert tight_tokens < 4096
+        expected["tight_tokens"].append(tight_tokens)
+        expected["serial"].append(_priced_whole(mb_lengths, 4096, setting))
+        expected["serial_tight"].append(_priced_whole(mb_lengths, tight_tokens, setting))
+        expected["layer_ping_pong"].append(
+            sim.simulate_micro_batch(sim.SYSTEM_SPECS["distca-layers"], mb_lengths, setting).step_s
+        )
+    assert serial.step_s == pytest.approx(statistics.median(expected["serial"]), rel=1e-12)
+    assert tight.step_s == pytest.approx(statistics.median(expected["serial_tight"]), rel=1e-12)
+    assert tight.tokens_per_rank == statistics.median(expected["tight_tokens"])
+    assert pp.step_s == pytest.approx(statistics.median(expected["layer_ping_pong"]), rel=1e-12)
+    assert pp.last_step_s == pytest.approx(expected["layer_ping_pong"][-1], rel=1e-12)
+
+    report = "\n".join(cs.ping_pong_report(checked))
+    # per row: the second (warm) pass first, then the first pass, the prediction, its errors vs both
+    error = f"{100 * (tight.step_s - 1.118) / 1.118:+.1f}%"
+    assert f"| serial_tight | 1.118 | 1.174 | {tight.step_s:.3f} | {error} |" in report
+    ratio = (
+        f"| serial / serial_tight (dropped padding) | {1.201 / 1.118:.3f} | {1.289 / 1.174:.3f} "
+        f"| {serial.step_s / tight.step_s:.3f} |"
+    )
+    assert ratio in report
+    assert (
+        f"| serial / layer_ping_pong (padding and split) | {1.201 / 1.127:.3f} | {1.289 / 1.274:.3f} |"
+        in report
+    )
+    assert "| serial_tight / layer_ping_pong (the split by itself) |" in report
+
+
+def test_one_pass_tables_are_compared_with_their_only_pass(tmp_path):
+    """An old table (no 'later passes' column): the warm columns stay empty, the first pass is compared."""
+    _, rows, checked = _tiny_ping_pong(tmp_path, PING_PONG_FIXTURE)
+    assert [r.mode for r in rows] == ["serial", "layer_ping_pong"]
+    (_, serial), (_, pp) = checked
+    report = "\n".join(cs.ping_pong_report(checked))
+    error = f"{100 * (serial.step_s - 1.263) / 1.263:+.1f}%"
+    assert f"| serial |  | 1.263 | {serial.step_s:.3f} |  | {error} |" in report
+    ratio = f"| serial / layer_ping_pong (padding and split) |  | {1.263 / 1.285:.3f} | {serial.step_s / pp.step_s:.3f} |"
+    assert ratio in report
+
+
+def test_committed_layer_ping_pong_rows_rebuild_the_nano_batches_the_gpu_ran():
+    """layer_ping_pong_1xh200.md: every rebuilt timed micro-batch of layer_ping_pong splits in two, as the
+    GPU's kernel counter (2 x 8 layers per step) recorded, serial's stays whole (8)."""
+    data = os.path.join(os.path.dirname(ROOT), "shared", "data")
+    specs = {name: f"{name}={data}/doclens_{name}.json" for name in ("pretrain", "prolong")}
+    if not all(os.path.isfile(s.partition("=")[2]) for s in specs.values()):
+        pytest.skip("the doc-length samples (../shared/data) are not here")
+    path = os.path.join(ROOT, "benchmarks", "results", "layer_ping_pong_1xh200.md")
+    with open(path) as f:
+        rows = [r for r in cs.parse_results(f.read(), path) if r.tokens_per_rank == 32768]
+    modes = ("serial", "serial_tight", "layer_ping_pong")
+    assert [(r.sample, r.mode) for r in rows] == [(s, m) for s in ("pretrain", "prolong") for m in modes]
+    assert all(r.warm_s is not None and len(r.plans_built) == 2 and r.plans_built[1] == 0 for r in rows)
+    checked = cs.check_ping_pong(rows, specs)
+    for row, predicted in checked:
+        assert predicted.fwd_kernels == row.fwd_kernels == (16 if row.mode == "layer_ping_pong" else 8)
+        assert (row.profiled_span_s is not None) == (row.mode == "layer_ping_pong")
+    # serial_tight carries the nano-batches' tokens (the same documents, no padding), fewer than serial's
+    tokens = {(r.sample, r.mode): p.tokens_per_rank for r, p in checked}
+    for sample in ("pretrain", "prolong"):
+        assert (
+            tokens[sample, "serial"]
+            == 32768
+            > tokens[sample, "serial_tight"]
+            == tokens[sample, "layer_ping_pong"]
+        )

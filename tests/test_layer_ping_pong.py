@@ -165,6 +165,40 @@ def test_loader_lays_out_each_nano_batch():
     assert targets == sum(n - 1 for n in LENGTHS)
 
 
+def test_loader_lays_a_whole_micro_batch_out_tight_without_padding_to_the_budget():
+    """DistCABatches (pad_to_budget=False, the default): a micro-batch that runs whole is laid out at its own
+    fewest tokens per rank (as a nano-batch), with the same documents and targets as when padded to the
+    budget (pad_to_budget=True)."""
+    world, lengths = 4, [3000, 1000, 1200, 900]  # 6100 tokens against a budget of 4 x 2048
+    docs = docs_of(lengths, seed=2)
+    padded = [
+        DistCABatches(docs, rank=r, world_size=world, tokens_per_rank=2048, pad_to_budget=True)
+        for r in range(world)
+    ]
+    tight = [
+        DistCABatches(docs, rank=r, world_size=world, tokens_per_rank=2048) for r in range(world)
+    ]  # default
+    (fewest,) = nano_tokens_per_rank([lengths], world)
+    assert fewest == 1525 < 2048
+    targets = {"padded": 0, "tight": 0}
+    for p, t in zip(padded, tight, strict=True):
+        a, b = p.micro_batch(docs), t.micro_batch(docs)
+        assert a["input_ids"].shape == (1, 2048) and b["input_ids"].shape == (1, fewest)
+        targets["padded"] += int((a["labels"] != -100).sum())
+        targets["tight"] += int((b["labels"] != -100).sum())
+    assert targets["padded"] == targets["tight"] == sum(n - 1 for n in lengths)
+    held = {}
+    for pieces in tight[0].micro_batch(docs)["distca_layout"].all_pieces:
+        assert sum(n for _, _, n in pieces) == fewest
+        for doc, _, n in pieces:
+            if doc < len(lengths):
+                held[doc] = held.get(doc, 0) + n
+    assert held == dict(enumerate(lengths))  # every document once, whole over the ranks
+    # the same rule without disaggregation (attention local to each piece): the same data path
+    plain = DistCABatches(docs, rank=0, world_size=world, tokens_per_rank=2048, disaggregate=False)
+    assert plain.micro_batch(docs)["input_ids"].shape == (1, fewest)
+
+
 # ------------------------------------------------------------------------------------ the scheduler
 def test_interleave_turns_and_failures():
     log = []

@@ -594,16 +594,20 @@ def test_ping_pong_bench_cpu_smoke(tmp_path):
         "--cpu", "--model", "tiny-llama", "--layers", "2", "--tokens-per-rank", "1024", "--doc-lengths",
         f"smoke={lengths}", "--warmup", "0", "--steps", "1", "--backend", "reference", "--profile", "ping_pong",
         "--link", "gloo", "--out", str(tmp_path / "pp.md"), "--json", str(tmp_path / "pp.json"),
-        "--trace-dir", str(tmp_path / "traces"),
+        "--trace-dir", str(tmp_path / "traces"), "--passes", "2",
     ]  # fmt: skip
     launch(2, [["benchmarks/bench_ping_pong.py", argv]], tmp_path)
     results = json.loads((tmp_path / "pp.json").read_text())
     (res,) = results.values()
     modes = res["modes"]
     assert list(modes) == [
-        "ping_pong", "ping_pong_halves", "layer_ping_pong", "serial", "signal", "signal_pp", "signal_layers",
-        "unbalanced",
+        "ping_pong", "ping_pong_halves", "layer_ping_pong", "serial", "serial_tight", "signal", "signal_pp",
+        "signal_layers", "unbalanced",
     ]  # fmt: skip
+    # each mode timed twice; the same documents without the padding to --tokens-per-rank: fewer tokens
+    assert all(len(m["passes"]) == len(m["plans_built"]) == 2 for m in modes.values())
+    assert modes["serial_tight"]["tokens_per_step"] < modes["serial"]["tokens_per_step"] == 1024
+    assert modes["serial_tight"]["kernels"] == modes["serial"]["kernels"]
     # layer-level: one server kernel per nano-batch and layer; signal-only layers send 1-byte messages
     assert modes["layer_ping_pong"]["kernels"] == 2 * modes["serial"]["kernels"]
     assert modes["layer_ping_pong"]["sent_gib"] > 1000 * modes["signal_layers"]["sent_gib"] > 0

@@ -168,7 +168,7 @@ def test_packed_rows_are_the_distca_global_batches(tmp_path, monkeypatch, capsys
     documents, _ = sp_recipe.base.documents_from_lengths(args)
     rows = sp_recipe.packed_rows(documents, args, world=2)
     loader = DistCABatches(documents, rank=0, world_size=1, tokens_per_rank=2048, grad_accum=2, seed=0,
-                           max_steps=3)  # fmt: skip
+                           max_steps=3, pad_to_budget=True)  # fmt: skip
     expected = list(loader)
     assert len(rows) == len(expected) == 6
     for row, batch in zip(rows, expected):

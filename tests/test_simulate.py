@@ -9,6 +9,7 @@ from). The workloads replay exactly the documents and batches the recipe trains 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -157,8 +158,12 @@ def test_one_gpu_every_exact_system_is_the_ideal():
         r = results[name]
         assert r.exposed_comm_s == 0 and r.imbalance == 1.0
         assert r.step_s == pytest.approx(r.ideal_step_s, rel=REL)
-    # padding is work of the system, not of the ideal
-    padded = sim.simulate(["exact-unbalanced"], [[[3000, 2000]]], s)["exact-unbalanced"]
+    # padding is work of the system, not of the ideal; DistCA's data path lays a micro-batch out at the
+    # fewest tokens per rank that hold it (DistCAConfig.pad_to_budget=False) unless asked to pad
+    tight = sim.simulate(["exact-unbalanced"], [[[3000, 2000]]], s)["exact-unbalanced"]
+    assert tight.step_s == pytest.approx(tight.ideal_step_s, rel=REL)
+    budget = dataclasses.replace(s, pad_to_budget=True)
+    padded = sim.simulate(["exact-unbalanced"], [[[3000, 2000]]], budget)["exact-unbalanced"]
     pad = s.linear.seconds(8192 - 5000, 4) + 4 * sim._task_seconds(s, 8192 - 5000, 8192 - 5000)
     assert padded.step_s == pytest.approx(padded.ideal_step_s + pad, rel=1e-6)
     # tokens/s counts real tokens; MFU = model FLOPs over time x peak

@@ -100,6 +100,7 @@ class DistCABatches(IterableDataset):
         layout: LayoutFn | None = None,
         nano_batches: int = 1,
         prefetch_plans: bool = False,
+        pad_to_budget: bool = False,
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
@@ -118,6 +119,11 @@ class DistCABatches(IterableDataset):
             raise ValueError(f"nano_batches must be a positive int, got {nano_batches!r}")
         self.nano_batches = nano_batches
         """Nano-batches per micro-batch for layer-level ping-pong (:mod:`hf_distca.data.nano`; 1: none)."""
+        self.pad_to_budget = pad_to_budget
+        """False (``DistCAConfig.pad_to_budget``'s default): a micro-batch that runs whole is laid out at the
+        fewest tokens per rank that hold it (:func:`hf_distca.data.nano.nano_tokens_per_rank`, as
+        nano-batches always are): no padding beyond ``world_size - 1`` tokens, shapes that change from step
+        to step. True: at ``tokens_per_rank`` (the same shapes every step, the ranks' room padded)."""
         self.prefetch_plans = prefetch_plans
         """Hand each micro-batch's layouts to the engine's background planner when the micro-batch before
         it is yielded (:func:`hf_distca.engine.prefetch.prefetch_plans`; ``DistCAConfig.prefetch_plans``)."""
@@ -215,16 +221,13 @@ class DistCABatches(IterableDataset):
         if layouts is None or len(layouts) != len(micro_batches):
             budget = self.tokens_per_rank * self.world_size
             lengths = self.documents.lengths
-            layouts = [  # laid out here: each micro-batch whole
-                [
-                    (layout or self.layout)(
-                        [min(lengths[i], budget) for i in doc_indices],
-                        world_size=self.world_size,
-                        tokens_per_rank=self.tokens_per_rank,
-                    )
-                ]
-                for doc_indices in micro_batches
-            ]
+            layouts = []  # laid out here: each micro-batch whole, as the loader lays it out
+            for doc_indices in micro_batches:
+                doc_lengths = [min(lengths[i], budget) for i in doc_indices]
+                tokens = self.whole_tokens_per_rank(doc_lengths)
+                layouts.append(
+                    [(layout or self.layout)(doc_lengths, world_size=self.world_size, tokens_per_rank=tokens)]
+                )
         total = [0] * self.world_size
         for pieces in (nano for micro in layouts for nano in micro):
             for rank, rank_pieces in enumerate(pieces):
@@ -248,7 +251,7 @@ class DistCABatches(IterableDataset):
         if self.nano_batches > 1 and self.disaggregate:
             groups = split_documents([len(d) for d in docs], self.nano_batches)
         if groups is None:
-            batch, all_pieces = self._laid_out(docs, self.tokens_per_rank)
+            batch, all_pieces = self._laid_out(docs, self.whole_tokens_per_rank([len(d) for d in docs]))
             return batch, [all_pieces]
         tokens = nano_tokens_per_rank([[len(docs[i]) for i in g] for g in groups], self.world_size)
         nanos = [self._laid_out([docs[i] for i in g], t) for g, t in zip(groups, tokens, strict=True)]
@@ -260,6 +263,13 @@ class DistCABatches(IterableDataset):
             NANO_BATCHES: tuple(b for b, _ in nanos),
         }
         return batch, [pieces for _, pieces in nanos]
+
+    def whole_tokens_per_rank(self, doc_lengths: Sequence[int]) -> int:
+        """Tokens per rank of a micro-batch of documents of ``doc_lengths`` that runs whole (not in
+        nano-batches): ``tokens_per_rank`` with ``pad_to_budget``, else the fewest that hold them."""
+        if self.pad_to_budget:
+            return self.tokens_per_rank
+        return nano_tokens_per_rank([[int(n) for n in doc_lengths]], self.world_size)[0]
 
     def _laid_out(self, docs: Sequence[Sequence[int]], tokens_per_rank: int) -> tuple[dict, tuple]:
         """This rank's model inputs for ``docs`` laid out at ``tokens_per_rank``, and every rank's pieces."""
