@@ -976,7 +976,10 @@ def write_report(rows: list[Row], info: dict, args, command: str) -> str:
         "",
         "**These are simulated figures, not measurements.** They come from benchmarks/simulate.py, which "
         "prices the real layouts and the real DistCA planner's plans with measured tables; read its "
-        "docstring for the model. Generated on a CPU machine "
+        "docstring for the model. Checked against the measured steps of 1 and 2 x H200 in "
+        "benchmarks/results/simulator_check_2xh200.md (benchmarks/check_simulator.py: what it found, row by row; "
+        "among it, layer-level ping-pong's split of a micro-batch is priced as free); nothing past 2 GPUs has "
+        "been measured. Generated on a CPU machine "
         f"({platform.machine()}, Python {platform.python_version()}, numpy {np.__version__}) on "
         f"{datetime.date.today().isoformat()}.",
         "",

@@ -62,8 +62,9 @@ class DistCACallback(TrainerCallback):
     the file keeps the records up to the checkpoint's step and continues from there.
 
     Args:
-        tokens_per_rank: tokens every rank holds per micro-batch (the global micro-batch is
-            ``tokens_per_rank x world_size`` tokens; documents longer than one rank's share are cut
+        tokens_per_rank: the most tokens a rank holds per micro-batch (the global micro-batch's budget
+            is ``tokens_per_rank x world_size`` tokens; each is laid out at the fewest tokens per rank
+            that hold it unless ``config.pad_to_budget``; documents longer than one rank's share are cut
             into pieces over several ranks and still trained whole).
         config: engine configuration (tolerance, shard size, kernel backend).
         seed: seed of the document order (default: ``TrainingArguments.seed``).
