@@ -443,10 +443,10 @@ class Setting:
 
 
 def whole_tokens_per_rank(system: System, lengths: Sequence[int], s: Setting) -> int:
-    """Tokens per rank a micro-batch of ``system`` that runs whole is laid out at: the fewest that hold it
-    unless ``s.pad_to_budget``, as ``DistCABatches`` does; hf-default (Transformers' packing into rows of
-    the budget) at the budget."""
-    if s.pad_to_budget or system.layout == "hf-default":
+    """Tokens per rank a micro-batch of ``system`` that runs whole is laid out at, as ``DistCABatches``
+    decides it: the fewest that hold it unless ``s.pad_to_budget`` or a layout that fills its budget
+    (hf-default: Transformers' packing into rows of the budget)."""
+    if s.pad_to_budget or getattr(LAYOUTS[system.layout], "fills_budget", False):
         return s.tokens_per_rank
     return nano_tokens_per_rank([[int(n) for n in lengths]], s.world)[0]
 

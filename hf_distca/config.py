@@ -186,7 +186,7 @@ class DistCAConfig:
     """How the data path of ``DistCACallback`` / ``DistCABatches`` lays out a micro-batch that runs whole.
     False (the default): at the fewest tokens per rank that hold its documents (``ceil(tokens / ranks)``,
     as layer-level ping-pong's nano-batches always are), so that no rank runs the projections and MLP over
-    padding: on one H200 1.04-1.07x faster steps and up to 5 GiB less memory than padding to the budget
+    padding: on one H200 1.05-1.10x faster steps and up to 5 GiB less memory than padding to the budget
     (the global batching leaves 4-7% of it unfilled; benchmarks/results/layer_ping_pong_1xh200.md); the
     shapes then change from step to step (the cudnn kernel builds a plan per new bucketed shape, ~50 ms,
     until they recur). True: every micro-batch at the ``tokens_per_rank`` budget (the same shapes every

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import gc
 import json
 import os
@@ -463,12 +462,9 @@ def prepare(args, training_args):
     if args.gradient_checkpointing:
         model.config.use_cache = False
 
-    config = config_from_args(args)
-    if args.layout == "hf-default":  # Transformers' packing fills rows of the budget
-        config = dataclasses.replace(config, pad_to_budget=True)
     callback = hf_distca.DistCACallback(
         args.tokens_per_rank,
-        config=config,
+        config=config_from_args(args),
         disaggregate=args.attn == "distca",
         pad_token_id=(tokenizer.pad_token_id if tokenizer is not None else None) or 0,
         recompute_attention=args.recompute_attention,

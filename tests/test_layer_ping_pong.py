@@ -41,6 +41,7 @@ from transformers import DataCollatorWithFlattening, MixtralConfig, MixtralForCa
 from hf_distca import DistCAConfig, enable_distca, metrics, nano_batch_loss
 from hf_distca.attention import decoder_layer_weights
 from hf_distca.data import DistCABatches
+from hf_distca.data.baselines import LAYOUTS
 from hf_distca.data.nano import NANO_BATCHES, nano_tokens_per_rank, split_documents
 from hf_distca.engine import interleave
 from hf_distca.planning.cost import LINEAR_PAIRS_PER_TOKEN, causal_pairs
@@ -187,6 +188,16 @@ def test_loader_lays_a_whole_micro_batch_out_tight_without_padding_to_the_budget
         targets["padded"] += int((a["labels"] != -100).sum())
         targets["tight"] += int((b["labels"] != -100).sum())
     assert targets["padded"] == targets["tight"] == sum(n - 1 for n in lengths)
+    # a micro-batch over the budget is refused, padded or not (the sampler never builds one)
+    for pad in (True, False):
+        loader = DistCABatches(docs, rank=0, world_size=2, tokens_per_rank=2048, pad_to_budget=pad)
+        with pytest.raises(ValueError, match="exceeds the budget of 2 ranks x 2048 tokens"):
+            loader.micro_batch(docs)
+    # Transformers' packing (hf-default) fills rows of the budget whatever pad_to_budget
+    hf = DistCABatches(docs, rank=0, world_size=world, tokens_per_rank=2048, layout=LAYOUTS["hf-default"])
+    assert hf.micro_batch(docs)["input_ids"].shape == (1, 2048)
+    with pytest.raises(ValueError, match="pad_to_budget must be True or False"):
+        DistCAConfig(pad_to_budget="yes")
     held = {}
     for pieces in tight[0].micro_batch(docs)["distca_layout"].all_pieces:
         assert sum(n for _, _, n in pieces) == fewest

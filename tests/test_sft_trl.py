@@ -48,7 +48,11 @@ def test_sft_trainer_and_baselines_match_the_trainer_recipe_on_two_ranks(tmp_pat
     runs = {
         "trainer": ["finetune_long_docs.py", []],
         "sft": ["sft_trl.py", []],
-        "tokens": ["finetune_long_docs.py", ["--layout", "tokens", "--max-planner-moves", "0"]],
+        # padded to the budget: there the token-only layout places these documents unlike the balanced one
+        "tokens": [
+            "finetune_long_docs.py",
+            ["--layout", "tokens", "--max-planner-moves", "0", "--pad-to-budget"],
+        ],
         "hf_default": ["finetune_long_docs.py", ["--layout", "hf-default", "--attn", "local"]],
     }
     spec = [
@@ -78,16 +82,20 @@ def test_sft_trainer_and_baselines_match_the_trainer_recipe_on_two_ranks(tmp_pat
     recipe = load_recipe()
     documents, _ = recipe.documents_from_lengths(recipe.parse_args(data))
     flops_per_pair = 4 * 4 * 32 * 2  # tiny-llama: 4 heads x head_dim 32 x 2 layers
-    for name, layout in (("trainer", "distca"), ("tokens", "tokens"), ("hf_default", "hf-default")):
+
+    def load(layout: str, pad_to_budget: bool) -> list[list[int]]:
         batches = DistCABatches(documents, rank=0, world_size=2, tokens_per_rank=512, grad_accum=2, seed=4,
-                                layout=LAYOUTS[layout], pad_to_budget=layout == "hf-default")  # fmt: skip
-        want = [[p * flops_per_pair for p in batches.layout_load(step)] for step in range(3)]
-        assert [r["attn_flops_before"] for r in got[name]] == want, name
-    # the loads tell layouts apart (at these sizes the token-only and balanced layouts of the tight
-    # micro-batches coincide; Transformers' packing, into rows of the budget, does not)
-    assert any(
-        h["attn_flops_before"] != r["attn_flops_before"] for h, r in zip(got["hf_default"], ref, strict=True)
-    )
+                                layout=LAYOUTS[layout], pad_to_budget=pad_to_budget)  # fmt: skip
+        return [[p * flops_per_pair for p in batches.layout_load(step)] for step in range(3)]
+
+    for name, layout, pad in (
+        ("trainer", "distca", False),
+        ("tokens", "tokens", True),
+        ("hf_default", "hf-default", False),
+    ):
+        assert [r["attn_flops_before"] for r in got[name]] == load(layout, pad), name
+    # the check tells the layouts apart: padded, the balanced layout's loads differ from the token-only one's
+    assert load("distca", True) != load("tokens", True)
     # HF default: nothing crosses ranks; chunks of documents cut over ranks lose their context (the
     # math differs: the loss is close to the exact one, not equal by construction)
     hf = got["hf_default"]

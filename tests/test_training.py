@@ -90,17 +90,18 @@ def test_recipe_exact_across_world_sizes(tmp_path):
     # 4 ranks also recompute activations in backward (gradient checkpointing; rematerialization-aware by
     # default, so core attention is not run again) and send KV across their 2 "nodes" of 2 ranks through the
     # relay (DistCAConfig.kv_relay), and the result must not change; 2 ranks plan each micro-batch in the
-    # background (DistCAConfig.prefetch_plans), and the result must not change either
+    # background (DistCAConfig.prefetch_plans) and pad every micro-batch to the budget (pad_to_budget; the
+    # others lay each out at the fewest tokens per rank that hold it), and the result must not change either
     # one launch per world size (the baseline without disaggregation rides with the 2-rank run)
     extra = {
         1: [],
-        2: ["--prefetch-plans"],
+        2: ["--prefetch-plans", "--pad-to-budget"],
         4: ["--gradient-checkpointing", "--ranks-per-node", "2", "--kv-relay"],
     }
     for world, flags in extra.items():
         argvs = [recipe_argv(world, tmp_path / f"w{world}", *flags)]
         if world == 2:
-            argvs.append(recipe_argv(2, tmp_path / "local", "--attn", "local"))
+            argvs.append(recipe_argv(2, tmp_path / "local", "--attn", "local", "--pad-to-budget"))
         launch(world, [["finetune_long_docs.py", argv] for argv in argvs], tmp_path)
     runs = {w: recipe_results(tmp_path / f"w{w}") for w in extra}
     ref_records, ref_weights = runs[1]

@@ -79,6 +79,11 @@ def hf_default_layout(
     return out
 
 
+hf_default_layout.fills_budget = True  # type: ignore[attr-defined]
+"""Transformers' packing fills rows of the budget: :class:`hf_distca.data.DistCABatches` lays this layout out
+at ``tokens_per_rank`` whatever its ``pad_to_budget`` (a tighter row would cut other chunks)."""
+
+
 LAYOUTS = {
     "distca": layout_balanced,
     "tokens": layout_pieces,

@@ -247,11 +247,12 @@ class DistCABatches(IterableDataset):
 
     def _micro_batch(self, docs: Sequence[Sequence[int]]) -> tuple[dict, list[tuple]]:
         """:meth:`micro_batch` and every rank's pieces of the layout of each of its nano-batches."""
+        tokens = self.whole_tokens_per_rank([len(d) for d in docs])  # checks the budget
         groups = None
         if self.nano_batches > 1 and self.disaggregate:
             groups = split_documents([len(d) for d in docs], self.nano_batches)
         if groups is None:
-            batch, all_pieces = self._laid_out(docs, self.whole_tokens_per_rank([len(d) for d in docs]))
+            batch, all_pieces = self._laid_out(docs, tokens)
             return batch, [all_pieces]
         tokens = nano_tokens_per_rank([[len(docs[i]) for i in g] for g in groups], self.world_size)
         nanos = [self._laid_out([docs[i] for i in g], t) for g, t in zip(groups, tokens, strict=True)]
@@ -266,8 +267,16 @@ class DistCABatches(IterableDataset):
 
     def whole_tokens_per_rank(self, doc_lengths: Sequence[int]) -> int:
         """Tokens per rank of a micro-batch of documents of ``doc_lengths`` that runs whole (not in
-        nano-batches): ``tokens_per_rank`` with ``pad_to_budget``, else the fewest that hold them."""
-        if self.pad_to_budget:
+        nano-batches): ``tokens_per_rank`` with ``pad_to_budget`` or a layout that fills its budget (a
+        ``fills_budget`` attribute: Transformers' packing, ``hf_default_layout``), else the fewest that hold
+        them. Raises when they exceed the budget."""
+        total = sum(int(n) for n in doc_lengths)
+        if total > self.tokens_per_rank * self.world_size:
+            raise ValueError(
+                f"a micro-batch of {total} tokens exceeds the budget of {self.world_size} ranks x "
+                f"{self.tokens_per_rank} tokens; give fewer documents per micro-batch, or a larger tokens_per_rank"
+            )
+        if self.pad_to_budget or getattr(self.layout, "fills_budget", False):
             return self.tokens_per_rank
         return nano_tokens_per_rank([[int(n) for n in doc_lengths]], self.world_size)[0]
 
