@@ -40,9 +40,12 @@ default ``--systems``: run them with ``--systems ulysses torch-cp`` (DeepSpeed a
 as wheels for ulysses, see DESIGN.md); ulysses needs heads and KV heads divisible by ``--gpus`` (KV
 heads fewer than GPUs are replicated), which Llama-3-8B's 32/8 meet for 2, 4 and 8 GPUs.
 
-Every run writes ``metrics.jsonl`` and ``summary.json`` (peak memory per rank) under ``--runs-dir``;
-runs that already hold ``--steps`` steps are not run again, so the suite can be run in parts (e.g. one
-``--workload`` per call) and a last call with ``--report-only`` writes the report. The report,
+Every run writes ``metrics.jsonl`` and ``summary.json`` (peak memory per rank) under ``--runs-dir``, and
+the suite stamps a finished run with what made it (``suite_run.json``: the recipe command, its
+environment, ``DistCAConfig``'s defaults); runs that already hold ``--steps`` steps under the same stamp
+are not run again, so the suite can be run in parts (e.g. one ``--workload`` per call) and a last call
+with ``--report-only`` writes the report. A run whose stamp differs (another command, or a default that
+changed since, e.g. ``pad_to_budget``) is run again, and the report leaves it out, saying why. The report,
 ``benchmarks/results/<date>-<name>.md`` with ``<date>-<name>-<workload>.png`` plots, has per system:
 median step time (after ``--skip`` warm-up steps), tokens/s (real tokens), MFU (model FLOPs with causal
 attention over 989 TFLOP/s per GPU), peak memory per rank, attention imbalance (planned FLOPs,
@@ -99,6 +102,8 @@ from dataclasses import dataclass
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import simulate as sim  # noqa: E402
 from workloads import LONG_MIX, documents_for, draw_lengths, global_batches, load_sample  # noqa: E402
+
+from hf_distca.config import DistCAConfig  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYSTEM_RUNS = {
@@ -274,9 +279,46 @@ def read_metrics(out_dir: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+STAMP_FILE = "suite_run.json"
+"""A finished run's stamp (:func:`run_stamp`), in its output directory."""
+
+
+def run_stamp(run: Run) -> dict:
+    """What a run is made with: its command from the script on (launcher and interpreter may differ between
+    the parts of one suite), its environment, and ``DistCAConfig``'s defaults (a changed default changes
+    what the same command trains)."""
+    script = next((i for i, word in enumerate(run.command) if word.endswith(".py")), 1)
+    return {
+        "command": list(run.command[script:]),
+        "env": dict(run.env),
+        "distca_defaults": dataclasses.asdict(DistCAConfig()),
+    }
+
+
+def write_stamp(run: Run) -> None:
+    with open(os.path.join(run.out_dir, STAMP_FILE), "w") as f:
+        json.dump(run_stamp(run), f, indent=1)
+
+
+def stale(run: Run) -> str | None:
+    """Why the results in ``run.out_dir`` are not this run's (None when its stamp matches)."""
+    path = os.path.join(run.out_dir, STAMP_FILE)
+    if not os.path.exists(path):
+        return f"no {STAMP_FILE}: made by an older suite"
+    with open(path) as f:
+        got = json.load(f)
+    want = run_stamp(run)
+    if got.get("command") != want["command"] or got.get("env") != want["env"]:
+        return "made by another command"
+    old = got.get("distca_defaults", {})
+    changed = [k for k, v in want["distca_defaults"].items() if old.get(k) != v]
+    return f"made under other DistCAConfig defaults ({', '.join(changed)})" if changed else None
+
+
 def execute(run: Run, steps: int, timeout: int, log=print) -> str:
-    """Run one recipe command unless its metrics already hold ``steps`` steps; 'ok', 'kept' or a failure."""
-    if len(read_metrics(run.out_dir)) >= steps:
+    """Run one recipe command unless its metrics already hold ``steps`` steps under its stamp; 'ok', 'kept'
+    or a failure."""
+    if len(read_metrics(run.out_dir)) >= steps and stale(run) is None:
         return "kept"
     os.makedirs(run.out_dir, exist_ok=True)
     log(f"== {run.workload} {run.tokens_per_rank} {run.system}: {shlex.join(run.command)}")
@@ -292,6 +334,7 @@ def execute(run: Run, steps: int, timeout: int, log=print) -> str:
             return f"timed out after {timeout} s"
     if proc.returncode != 0:
         return f"failed (exit {proc.returncode}): {failure_reason(os.path.join(run.out_dir, 'run.log'))}"
+    write_stamp(run)
     return "ok"
 
 
@@ -452,7 +495,10 @@ def write_report(
             measured: dict[str, Measured] = {}
             problems: dict[str, str] = {}
             for run in group:
-                if read_metrics(run.out_dir):
+                reason = stale(run) if read_metrics(run.out_dir) else None
+                if reason is not None:
+                    problems[run.out_dir] = f"left out: {reason}"
+                elif read_metrics(run.out_dir):
                     try:
                         measured[run.system] = measure(run.out_dir, steps, model, args.gpus, args.skip)
                     except ValueError as err:  # too few steps recorded (a run that stopped early)

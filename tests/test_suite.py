@@ -3,6 +3,7 @@ and the report written from per-run metrics files (fake figures, checked against
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -124,14 +125,28 @@ def test_execute_keeps_finished_runs_and_reports_failures(tmp_path):
     )
     status = suite.execute(run, steps=2, timeout=60, log=lambda *a: None)
     assert status.startswith("failed (exit 1)") and "MemoryError: CUDA out of memory" in status
+    assert not (tmp_path / "r" / suite.STAMP_FILE).exists()  # a failed run is not stamped
     with open(tmp_path / "r" / "metrics.jsonl", "w") as f:
         f.writelines(json.dumps({"step": i}) + "\n" for i in (1, 2))
-    assert suite.execute(run, steps=2, timeout=60) == "kept"  # the failing command did not run again
+    # metrics without the suite's stamp (an older suite's, or a failed run's): run again
+    assert suite.stale(run).startswith("no suite_run.json")
+    assert suite.execute(run, steps=2, timeout=60, log=lambda *a: None).startswith("failed (exit 1)")
     ok = suite.Run(
         "w", 4096, "distca", str(tmp_path / "ok"), [sys.executable, "-c", "print('trained')"], {"X": "1"}
     )
     assert suite.execute(ok, steps=2, timeout=60, log=lambda *a: None) == "ok"
     assert (tmp_path / "ok" / "run.log").read_text() == "trained\n"
+    with open(tmp_path / "ok" / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps({"step": i}) + "\n" for i in (1, 2))
+    assert suite.stale(ok) is None and suite.execute(ok, steps=2, timeout=60) == "kept"  # not run again
+    # a DistCAConfig default that changed since (what the same command trains changed): run again
+    stamp = json.loads((tmp_path / "ok" / suite.STAMP_FILE).read_text())
+    stamp["distca_defaults"]["pad_to_budget"] = True
+    (tmp_path / "ok" / suite.STAMP_FILE).write_text(json.dumps(stamp))
+    assert suite.stale(ok) == "made under other DistCAConfig defaults (pad_to_budget)"
+    assert suite.execute(ok, steps=2, timeout=60, log=lambda *a: None) == "ok"
+    other = dataclasses.replace(ok, command=[sys.executable, "-c", "print('other')"])
+    assert suite.stale(other) == "made by another command"
 
 
 def fake_run(out_dir, step_times, loss=10.0, bytes_sent=(0, 0), peak=(30.0, 31.5), imbalance=1.1):
@@ -155,7 +170,9 @@ def test_report_from_metrics_files(tmp_path):
     sent = {"distca": (2**30, 2**31), "ulysses": (3 * 2**29, 3 * 2**29), "torch-cp": None}
     for system, step_times in times.items():
         fake_run(runs[system].out_dir, step_times, bytes_sent=sent.get(system, (0, 0)))
+        suite.write_stamp(runs[system])
     fake_run(runs["balanced"].out_dir, [9.0])  # stopped after its first step
+    suite.write_stamp(runs["balanced"])
     path = suite.main(argv)
     with open(path) as f:
         text = f.read()
@@ -197,3 +214,15 @@ def test_report_from_metrics_files(tmp_path):
         assert f"{(3.1 / 2.6 - 1) / (ideal - 1):.0%}" in line
     png = re.search(r"!\[.*\]\((.*\.png)\)", text).group(1)
     assert os.path.getsize(os.path.join(os.path.dirname(path), png)) > 1000
+    # a run made under other DistCAConfig defaults is left out of the report, with the reason
+    stamp_path = os.path.join(runs["distca"].out_dir, suite.STAMP_FILE)
+    with open(stamp_path) as f:
+        stamp = json.load(f)
+    stamp["distca_defaults"]["pad_to_budget"] = True
+    with open(stamp_path, "w") as f:
+        json.dump(stamp, f)
+    with open(suite.main(argv)) as f:
+        rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+                for line in f.read().splitlines() if line.startswith("| ") and "|---" not in line}  # fmt: skip
+    assert rows["distca"][0] == "left out: made under other DistCAConfig defaults (pad_to_budget)"
+    assert rows["distca"][1] == "" and rows["exact-unbalanced"][0] == "kept"  # no step time measured
