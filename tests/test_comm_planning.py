@@ -256,7 +256,10 @@ def test_relay_plans_valid_never_slower_and_within_the_send_bound(data, config, 
         layout.pieces, q_row_bytes=Q_ROW, kv_row_bytes=KV_ROW, config=_unpriced(config), window=window
     )
     assert plan.critical_path_after <= plan_critical_path(balance_only, link) * (1 + rtol)
-    if plan.moves:
+    if plan.moves and plan.digest() != balance_only.digest():
+        # priced moves are taken only where they lower the critical path; the balance-only plan, kept when
+        # its transfers cost nothing (e.g. inside a node with intra_node_gib_per_s None), may move work
+        # between servers tied at the top without lowering it
         assert plan.critical_path_after < plan.critical_path_before
 
 

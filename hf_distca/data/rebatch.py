@@ -33,6 +33,8 @@ the target of its last token (the first token of the next piece).
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -190,7 +192,13 @@ def layout_balanced(
 
     - A document is split over ``k = max(ceil(length / tokens_per_rank), ceil(pairs / fair))`` ranks
       (at most ``world_size``), ``fair`` being the micro-batch's attention pairs over ``world_size``:
-      a document whose attention alone exceeds one rank's fair share is cut. The ``k`` ranks with the
+      a document whose attention alone exceeds one rank's fair share is cut. Each rank of a cut document
+      still fills the rest of its room (up to the mean tokens per rank) with the documents placed last,
+      the shortest, so ``k`` grows until a share plus that fill is about fair:
+      ``k >= (pairs - length d) / (fair - mean_tokens d)``, ``d`` the pairs per token of the shortest
+      documents that hold the ``k`` ranks' room (:func:`_fill_density`; a full micro-batch leaves no
+      other room for them, and without this the ranks holding shares of long documents carried ~1.2x
+      the mean attention in benchmarks/simulate.py at 512 ranks). The ``k`` ranks with the
       least estimated cost that have room take shares as equal as their room allows, each share a
       head and a tail of the document laid out ``head_0 .. head_{k-1} tail_{k-1} .. tail_0`` (equal
       causal work per rank for equal shares); more ranks join when those ``k`` lack the room.
@@ -225,12 +233,24 @@ def layout_balanced(
         tokens = max(tokens_per_rank - free[rank], mean_tokens)
         load[rank] = linear_pairs_per_token * tokens + pairs[rank]
 
+    fill_density = _fill_density(lengths)
     for doc in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         length = lengths[doc]
         if length == 0:
             continue
         # fair > 0: this document has attention pairs
-        k = max(math.ceil(length / tokens_per_rank), math.ceil(causal_pairs(0, length) / fair))
+        pairs_doc = causal_pairs(0, length)
+        k = max(math.ceil(length / tokens_per_rank), math.ceil(pairs_doc / fair))
+        for _ in range(_FILL_ROUNDS if k > 1 else 0):  # k only grows, as the room to fill and its density
+            room = k * mean_tokens - length
+            d = fill_density(room) if room > 0 else 0.0
+            if room <= 0 or fair <= mean_tokens * d:
+                break  # no room left to fill, or the fill alone reaches a fair share
+            more = max(k, math.ceil((pairs_doc - length * d) / (fair - mean_tokens * d)))
+            if more == k or more >= world_size:
+                k = more
+                break
+            k = more
         k = min(k, world_size)
         if k == 1:
             fits = [r for r in range(world_size) if free[r] >= length]
@@ -250,6 +270,27 @@ def layout_balanced(
         for rank, doc_start, n in _zigzag(ranks, shares, min_piece_tokens):
             add(rank, doc, doc_start, n)
     return _finish(placed, free, len(lengths))
+
+
+_FILL_ROUNDS = 4
+"""Rounds of :func:`layout_balanced`'s fill-aware cut count (it settles within two or three)."""
+
+
+def _fill_density(lengths: Sequence[int]) -> Callable[[float], float]:
+    """``f(room)``: the causal pairs per token of the shortest documents of ``lengths`` that hold ``room``
+    tokens (all of them when they hold fewer): what fills the room left on the ranks of a cut document,
+    the balanced layout placing the longest documents first."""
+    ascending = sorted(int(n) for n in lengths if n > 0)
+    tokens = list(itertools.accumulate(ascending))
+    pairs = list(itertools.accumulate(causal_pairs(0, n) for n in ascending))
+
+    def density(room: float) -> float:
+        if not tokens:
+            return 0.0
+        j = min(bisect.bisect_left(tokens, room), len(tokens) - 1)
+        return pairs[j] / tokens[j]
+
+    return density
 
 
 def _one_node(
