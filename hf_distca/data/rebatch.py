@@ -192,13 +192,17 @@ def layout_balanced(
 
     - A document is split over ``k = max(ceil(length / tokens_per_rank), ceil(pairs / fair))`` ranks
       (at most ``world_size``), ``fair`` being the micro-batch's attention pairs over ``world_size``:
-      a document whose attention alone exceeds one rank's fair share is cut. Each rank of a cut document
-      still fills the rest of its room (up to the mean tokens per rank) with the documents placed last,
-      the shortest, so ``k`` grows until a share plus that fill is about fair:
+      a document whose attention alone exceeds one rank's fair share is cut. Across nodes
+      (``ranks_per_node`` given, more than one node), where moving work off a node costs inter-node
+      transfers: each rank of a cut document still fills the rest of its room (up to the mean tokens per
+      rank) with the documents placed last, the shortest, so ``k`` grows until a share plus that fill is
+      about fair:
       ``k >= (pairs - length d) / (fair - mean_tokens d)``, ``d`` the pairs per token of the shortest
       documents that hold the ``k`` ranks' room (:func:`_fill_density`; a full micro-batch leaves no
-      other room for them, and without this the ranks holding shares of long documents carried ~1.2x
-      the mean attention in benchmarks/simulate.py at 512 ranks). The ``k`` ranks with the
+      other room for them, and without this the nodes holding shares of long documents carried ~1.2x
+      the mean attention in benchmarks/simulate.py at 512 ranks). Inside one node the planner evens the
+      ranks out over the fast links (and on few ranks cutting a document over all of them can leave no
+      rank for the next large one), so there the count stays the plain one. The ``k`` ranks with the
       least estimated cost that have room take shares as equal as their room allows, each share a
       head and a tail of the document laid out ``head_0 .. head_{k-1} tail_{k-1} .. tail_0`` (equal
       causal work per rank for equal shares); more ranks join when those ``k`` lack the room.
@@ -234,6 +238,7 @@ def layout_balanced(
         load[rank] = linear_pairs_per_token * tokens + pairs[rank]
 
     fill_density = _fill_density(lengths)
+    several_nodes = ranks_per_node is not None and world_size > ranks_per_node
     for doc in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         length = lengths[doc]
         if length == 0:
@@ -241,7 +246,8 @@ def layout_balanced(
         # fair > 0: this document has attention pairs
         pairs_doc = causal_pairs(0, length)
         k = max(math.ceil(length / tokens_per_rank), math.ceil(pairs_doc / fair))
-        for _ in range(_FILL_ROUNDS if k > 1 else 0):  # k only grows, as the room to fill and its density
+        rounds = _FILL_ROUNDS if k > 1 and several_nodes else 0
+        for _ in range(rounds):  # k only grows, as the room to fill and its density
             room = k * mean_tokens - length
             d = fill_density(room) if room > 0 else 0.0
             if room <= 0 or fair <= mean_tokens * d:
