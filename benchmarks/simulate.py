@@ -111,7 +111,7 @@ import numpy as np
 
 from hf_distca.config import BALANCE_ONLY_TOLERANCE, PRICED_TOLERANCE, DistCAConfig
 from hf_distca.data.baselines import LAYOUTS
-from hf_distca.data.nano import nano_tokens_per_rank, split_documents
+from hf_distca.data.nano import nano_tokens_per_rank, split_documents, whole_tokens_per_rank
 from hf_distca.planning import MeasuredCost, plan_core_attention
 from hf_distca.planning import schedule as schedule_ops
 from hf_distca.planning.cost import causal_pairs, cost_model_from_config
@@ -442,15 +442,6 @@ class Setting:
     ``tokens_per_rank`` (True) or at the fewest tokens per rank that hold it (False, the default)."""
 
 
-def whole_tokens_per_rank(system: System, lengths: Sequence[int], s: Setting) -> int:
-    """Tokens per rank a micro-batch of ``system`` that runs whole is laid out at, as ``DistCABatches``
-    decides it: the fewest that hold it unless ``s.pad_to_budget`` or a layout that fills its budget
-    (hf-default: Transformers' packing into rows of the budget)."""
-    if s.pad_to_budget or getattr(LAYOUTS[system.layout], "fills_budget", False):
-        return s.tokens_per_rank
-    return nano_tokens_per_rank([[int(n) for n in lengths]], s.world)[0]
-
-
 @dataclass
 class MicroBatch:
     """One micro-batch of one system: per-rank seconds and bytes, and its schedule's timing."""
@@ -580,9 +571,11 @@ def simulate_micro_batch(
             mb.plan_s = plan_s
             return mb
         system = dataclasses.replace(system, schedule="serial")  # too few documents: the engine runs it whole
-    pieces, plan, plan_s = plan_layout(
-        system, lengths, s, whole_tokens_per_rank(system, lengths, s), tolerance
+    # the data path's rule: the fewest tokens per rank that hold it, or the budget (hf-default, --pad-to-budget)
+    whole = whole_tokens_per_rank(
+        lengths, s.world, s.tokens_per_rank, s.pad_to_budget, LAYOUTS[system.layout]
     )
+    pieces, plan, plan_s = plan_layout(system, lengths, s, whole, tolerance)
     if plan is None:  # every piece its own sequence, ranks meet only at the gradient reduction
         layers = s.model.layers
         linear = np.array([s.linear.seconds(sum(p.length for p in r), layers) for r in pieces])

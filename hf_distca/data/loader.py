@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from hf_distca.data.nano import NANO_BATCHES, nano_tokens_per_rank, split_documents
+from hf_distca.data.nano import NANO_BATCHES, nano_tokens_per_rank, split_documents, whole_tokens_per_rank
 from hf_distca.data.rebatch import LayoutFn, layout_balanced, layout_for_rank
 from hf_distca.data.sampler import plan_global_batches
 from hf_distca.engine import prefetch
@@ -247,14 +247,15 @@ class DistCABatches(IterableDataset):
 
     def _micro_batch(self, docs: Sequence[Sequence[int]]) -> tuple[dict, list[tuple]]:
         """:meth:`micro_batch` and every rank's pieces of the layout of each of its nano-batches."""
-        tokens = self.whole_tokens_per_rank([len(d) for d in docs])  # checks the budget
+        lengths = [len(d) for d in docs]
+        whole = self.whole_tokens_per_rank(lengths)  # checks the budget
         groups = None
         if self.nano_batches > 1 and self.disaggregate:
-            groups = split_documents([len(d) for d in docs], self.nano_batches)
+            groups = split_documents(lengths, self.nano_batches)
         if groups is None:
-            batch, all_pieces = self._laid_out(docs, tokens)
+            batch, all_pieces = self._laid_out(docs, whole)
             return batch, [all_pieces]
-        tokens = nano_tokens_per_rank([[len(docs[i]) for i in g] for g in groups], self.world_size)
+        tokens = nano_tokens_per_rank([[lengths[i] for i in g] for g in groups], self.world_size)
         nanos = [self._laid_out([docs[i] for i in g], t) for g, t in zip(groups, tokens, strict=True)]
         labels = torch.cat([b["shift_labels"] for b, _ in nanos], dim=1)  # (1, sum of T_nano), T_nano differ
         batch = {  # what the Trainer counts (tokens seen, targets: shift_labels, already shifted)
@@ -266,19 +267,17 @@ class DistCABatches(IterableDataset):
         return batch, [pieces for _, pieces in nanos]
 
     def whole_tokens_per_rank(self, doc_lengths: Sequence[int]) -> int:
-        """Tokens per rank of a micro-batch of documents of ``doc_lengths`` that runs whole (not in
-        nano-batches): ``tokens_per_rank`` with ``pad_to_budget`` or a layout that fills its budget (a
-        ``fills_budget`` attribute: Transformers' packing, ``hf_default_layout``), else the fewest that hold
-        them. Raises when they exceed the budget."""
+        """:func:`hf_distca.data.nano.whole_tokens_per_rank` under this loader's budget, ``pad_to_budget`` and
+        layout; raises when the documents exceed the budget."""
         total = sum(int(n) for n in doc_lengths)
         if total > self.tokens_per_rank * self.world_size:
             raise ValueError(
                 f"a micro-batch of {total} tokens exceeds the budget of {self.world_size} ranks x "
                 f"{self.tokens_per_rank} tokens; give fewer documents per micro-batch, or a larger tokens_per_rank"
             )
-        if self.pad_to_budget or getattr(self.layout, "fills_budget", False):
-            return self.tokens_per_rank
-        return nano_tokens_per_rank([[int(n) for n in doc_lengths]], self.world_size)[0]
+        return whole_tokens_per_rank(
+            doc_lengths, self.world_size, self.tokens_per_rank, self.pad_to_budget, self.layout
+        )
 
     def _laid_out(self, docs: Sequence[Sequence[int]], tokens_per_rank: int) -> tuple[dict, tuple]:
         """This rank's model inputs for ``docs`` laid out at ``tokens_per_rank``, and every rank's pieces."""

@@ -11,7 +11,8 @@ no torch.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from hf_distca.planning.cost import LINEAR_PAIRS_PER_TOKEN, causal_pairs
 
@@ -38,6 +39,23 @@ def split_documents(lengths: Sequence[int], parts: int = 2) -> list[list[int]] |
         load[j] += cost[i]
         tokens[j] += int(lengths[i])
     return [sorted(g) for g in groups]
+
+
+def whole_tokens_per_rank(
+    doc_lengths: Sequence[int],
+    world: int,
+    tokens_per_rank: int,
+    pad_to_budget: bool,
+    layout: Callable[..., Any] | None = None,
+) -> int:
+    """Tokens per rank of a micro-batch of documents of ``doc_lengths`` that runs whole (not in
+    nano-batches): ``tokens_per_rank`` (the budget) with ``pad_to_budget`` or a ``layout`` that fills its
+    budget (a ``fills_budget`` attribute: Transformers' packing, ``hf_default_layout``), else the fewest
+    that hold them, as a nano-batch (:func:`nano_tokens_per_rank`). The data path's rule
+    (``DistCABatches``) and the simulator's."""
+    if pad_to_budget or getattr(layout, "fills_budget", False):
+        return tokens_per_rank
+    return nano_tokens_per_rank([[int(n) for n in doc_lengths]], world)[0]
 
 
 def nano_tokens_per_rank(group_lengths: Sequence[Sequence[int]], world: int) -> list[int]:

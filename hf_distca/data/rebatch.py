@@ -237,8 +237,8 @@ def layout_balanced(
         tokens = max(tokens_per_rank - free[rank], mean_tokens)
         load[rank] = linear_pairs_per_token * tokens + pairs[rank]
 
-    fill_density = _fill_density(lengths)
     several_nodes = ranks_per_node is not None and world_size > ranks_per_node
+    fill_density = _fill_density(lengths) if several_nodes else None
     for doc in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         length = lengths[doc]
         if length == 0:
@@ -253,10 +253,11 @@ def layout_balanced(
             if room <= 0 or fair <= mean_tokens * d:
                 break  # no room left to fill, or the fill alone reaches a fair share
             more = max(k, math.ceil((pairs_doc - length * d) / (fair - mean_tokens * d)))
-            if more == k or more >= world_size:
-                k = more
+            if more == k:
                 break
             k = more
+            if k >= world_size:
+                break
         k = min(k, world_size)
         if k == 1:
             fits = [r for r in range(world_size) if free[r] >= length]

@@ -212,9 +212,8 @@ def plan_bytes(plan: Any, kv_relay: int | None = None) -> np.ndarray:
     ``kv_relay``: ranks per node when KV rows go through the relay (both stages of each phase: a relay
     receives the first stage's rows as KV_IN and sends the second's as KV_OUT)."""
     columns = plan_traffic(plan, kv_relay, kv_relay is not None).sum(axis=1)  # (ranks, 4) over link classes
-    return np.moveaxis(phase_bytes(columns), 1, 0).astype(
-        np.int64
-    )  # (ranks, phases, 2) -> (phases, ranks, 2)
+    per_rank = phase_bytes(columns)  # (ranks, phases, 2)
+    return np.moveaxis(per_rank, 1, 0).astype(np.int64)  # (phases, ranks, 2)
 
 
 def forward_bytes(plan: Any, table: np.ndarray | None = None) -> tuple[list[int], list[int]]:
