@@ -32,6 +32,8 @@ from hf_distca.features import layer_windows
 from hf_distca.planning import forward_flops_per_pair, imbalance
 from hf_distca.validation import (
     attention_server_group,
+    check_backend_runs,
+    check_config_applies,
     check_launch,
     check_model_supported,
     check_parallelism,
@@ -152,6 +154,10 @@ class DistCACallback(TrainerCallback):
                 f"Trainer's data-parallel rank is {args.process_index} of {world}; DistCA needs them equal"
             )
         check_model_supported(model, disaggregate=self.disaggregate)
+        impl = getattr(model.config, "_attn_implementation", None)
+        check_config_applies(self.config, attn_implementation=impl, disaggregate=self.disaggregate)
+        if impl == "distca":
+            check_backend_runs(self.config, args.device, _compute_dtype(args, model))
         if trainer.train_dataset is None:
             raise ValueError("DistCACallback needs DistCATrainer(train_dataset=...) with tokenized documents")
         documents = TokenDocuments(trainer.train_dataset, column=self.column)
@@ -222,10 +228,11 @@ class DistCACallback(TrainerCallback):
         if self._trainer is None or self.batches is None:
             raise RuntimeError(NEEDS_DISTCA_TRAINER)
         _check_same_documents(self.batches.documents.lengths)
-        if self.disaggregate:
+        if getattr(getattr(model, "config", None), "_attn_implementation", None) == "distca":
+            # also without disaggregation: the attention function runs the config's kernel backend
             enable_distca(model, group=self._group, config=self.config)
-            if self.config.prefetch_plans:
-                prefetch.start(wait=True)  # no plan of the run falls back to inline for want of the worker
+        if self.disaggregate and self.config.prefetch_plans:
+            prefetch.start(wait=True)  # no plan of the run falls back to inline for want of the worker
         if not self.recompute_attention:
             switch_trainer_checkpointing(model, args)  # after the Trainer enabled checkpointing
         cfg = getattr(model, "config", None)
@@ -336,6 +343,15 @@ class DistCACallback(TrainerCallback):
             "imbalance_token_layout": sum(r["imbalance_token_layout"] for r in self.records) / n,
             "final_loss": self.records[-1]["loss"],
         }
+
+
+def _compute_dtype(args, model) -> torch.dtype:
+    """The dtype attention runs in: the Trainer's mixed precision, else the model's parameters'."""
+    if getattr(args, "bf16", False):
+        return torch.bfloat16
+    if getattr(args, "fp16", False):
+        return torch.float16
+    return next(model.parameters()).dtype
 
 
 def _read_records(path: str) -> list[dict]:

@@ -26,6 +26,7 @@ Use :func:`enable_remat_checkpointing` (the Trainer callback does it by default)
 from __future__ import annotations
 
 import threading
+import types
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ __all__ = [
     "remat_checkpointing_kwargs",
     "remat_context_fn",
     "switch_trainer_checkpointing",
+    "unwrap_kernelized_forwards",
 ]
 
 
@@ -208,14 +210,39 @@ def enable_remat_checkpointing(model: torch.nn.Module, checkpointing_kwargs: dic
 
     ``checkpointing_kwargs``: what you would pass as ``gradient_checkpointing_kwargs`` (Transformers >= 5.24
     also takes ``every_n_layers`` and ``offload`` there, as TrainingArguments does); they are kept. Calling
-    it again replaces the previous setting. Only ``attn_implementation="distca"`` attention is affected."""
+    it again replaces the previous setting. Only ``attn_implementation="distca"`` attention is affected;
+    for such a model the ``kernels`` package's forward wrappers are removed (:func:`unwrap_kernelized_forwards`)
+    so that torch.compile can trace the checkpointed layers."""
     kwargs = dict(checkpointing_kwargs or {})
     layer_options = {name: kwargs.pop(name) for name in ("every_n_layers", "offload") if name in kwargs}
     kwargs = remat_checkpointing_kwargs(kwargs)
+    if getattr(getattr(model, "config", None), "_attn_implementation", None) == "distca":
+        unwrap_kernelized_forwards(model)
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, **layer_options)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs, **layer_options)
+
+
+def unwrap_kernelized_forwards(model: torch.nn.Module) -> int:
+    """Give each module whose class forward is wrapped by the ``kernels`` package's ``use_kernelized_func``
+    (Transformers >= 5.25 wraps e.g. every Llama/Qwen2/Mistral attention module with it) its own unwrapped
+    forward, as an instance attribute. The wrapper sets and resets a context variable around the forward,
+    a Python side effect that torch.compile refuses inside a checkpointed region (``HOP: Unsafe side
+    effect``), so a compiled, checkpointed model could not train. The unwrapped forward computes the same
+    thing; what it gives up is the per-model routing of hub kernels for the functions the wrapper names
+    (e.g. ``apply_rotary_pos_emb`` after ``model.kernelize()``), which run their torch implementation.
+    Returns how many modules were unwrapped."""
+    unwrapped = 0
+    for module in model.modules():
+        forward = type(module).forward
+        inner = getattr(forward, "__wrapped__", None)
+        # the wrapper gives each instance its kernel functions: the mark of use_kernelized_func
+        if inner is None or "_kernel_funcs" not in vars(module) or "forward" in vars(module):
+            continue
+        module.forward = types.MethodType(inner, module)
+        unwrapped += 1
+    return unwrapped
 
 
 def switch_trainer_checkpointing(model: torch.nn.Module, training_args: Any) -> bool:

@@ -21,6 +21,10 @@ RUN_ONLY_FIELDS = (
     "prefetch_plans",
     "pad_to_budget",  # acts on the data path's layouts, which plans are keyed by anyway
 )
+# Where DistCAConfig fields take effect; every field named in neither tuple acts only in the disaggregated
+# engine (planning, dispatch, schedules), so a run without disaggregation refuses it set (inert_fields).
+ATTENTION_FUNCTION_FIELDS = ("backend",)  # the distca attention function's, with or without dispatch
+DATA_PATH_FIELDS = ("pad_to_budget", "ranks_per_node")  # the data path's layouts, whatever the attention
 # DistCAConfig.cost_table's value for "the measured table of this device, dtype, head shape and kernel".
 COST_TABLE_AUTO = "auto"
 BALANCE_ONLY_TOLERANCE = 0.1
@@ -205,6 +209,19 @@ class DistCAConfig:
         cached plan is keyed by."""
         return tuple(
             (f.name, getattr(self, f.name)) for f in dataclasses.fields(self) if f.name not in RUN_ONLY_FIELDS
+        )
+
+    def inert_fields(self, *, distca_attention: bool, disaggregate: bool) -> tuple[str, ...]:
+        """The fields set away from their defaults that a run would not honour: without ``disaggregate``
+        every field but the data path's (``DATA_PATH_FIELDS``) and, when the attention is the ``distca``
+        function (``distca_attention``), its own (``ATTENTION_FUNCTION_FIELDS``)."""
+        if disaggregate:
+            return ()
+        live = DATA_PATH_FIELDS + (ATTENTION_FUNCTION_FIELDS if distca_attention else ())
+        return tuple(
+            f.name
+            for f in dataclasses.fields(self)
+            if f.name not in live and getattr(self, f.name) != f.default
         )
 
     def __post_init__(self) -> None:

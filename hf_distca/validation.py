@@ -7,9 +7,12 @@ import os
 import warnings
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
+from hf_distca.config import DistCAConfig
 from hf_distca.features import check_model_config
+from hf_distca.kernels import resolve_backend
 
 
 def check_launch(args) -> int:
@@ -46,6 +49,34 @@ def check_model_supported(model, *, disaggregate: bool = True) -> None:
             "(or model.set_attn_implementation('distca')), or pass DistCACallback(..., disaggregate=False) for "
             "a baseline run"
         )
+
+
+def check_config_applies(
+    config: DistCAConfig, *, attn_implementation: str | None, disaggregate: bool
+) -> None:
+    """Refuse DistCAConfig fields a run would silently not honour (:meth:`DistCAConfig.inert_fields`):
+    without disaggregation the engine's (planning, dispatch, schedules) and, under another attention
+    implementation than ``distca``, the kernel backend too. Every rank raises alike (same config)."""
+    distca = attn_implementation == "distca"
+    inert = config.inert_fields(distca_attention=distca, disaggregate=disaggregate)
+    if not inert:
+        return
+    settings = ", ".join(f"{name}={getattr(config, name)!r} (--{name.replace('_', '-')})" for name in inert)
+    if distca:
+        where = "the distca attention function without disaggregation (--attn local, DistCACallback(disaggregate=False))"
+    else:
+        where = f"attn_implementation={attn_implementation!r} (no distca kernels, no disaggregation)"
+    raise ValueError(
+        f"DistCAConfig {settings}: no effect under {where}. Leave them at their defaults, or disaggregate core "
+        "attention (attn_implementation='distca' with --attn distca / DistCACallback(disaggregate=True))"
+        + ("" if distca else "; for the distca kernels without dispatch use --attn local")
+    )
+
+
+def check_backend_runs(config: DistCAConfig, device: torch.device, dtype: torch.dtype) -> str:
+    """The kernel backend ``config.backend`` resolves to on ``device`` for ``dtype`` inputs; raises before
+    training, naming the backend, when an explicit choice cannot run there."""
+    return resolve_backend(config.backend, device, dtype)
 
 
 def check_parallelism(parallelism_config: Any, *, model_tp_size: int | None = None) -> None:

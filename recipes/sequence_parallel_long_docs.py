@@ -20,11 +20,10 @@ seed, same global batches; every flag of finetune_long_docs.py that concerns the
   while DeepSpeed takes any registered attention key: the recipe sets ``sp_attn_implementation`` to
   ``distca`` after the config's own validation. Heads must divide by ``sp_size`` and KV heads must
   divide by it or divide it (fewer KV heads than ranks are replicated); otherwise DeepSpeed raises.
-  ZeRO-3 only, the configuration tested exact (tests/test_sequence_parallel.py). Under ZeRO-1 (tested)
-  and ZeRO-0 (one CPU run) an SGD step moves the weights along ``sp_size`` times the single-process
-  gradient: DeepSpeed 0.19.8 sums the sequence-parallel ranks' gradients there instead of averaging
-  them, while Transformers' SP loss already scales each rank's gradient by ``sp_size`` (the backward of
-  its all-gather of the ranks' losses sums the combined loss's gradient over the ranks).
+  ZeRO-3 only, the configuration tested exact (tests/test_sequence_parallel.py); the recipe checks the
+  engine DeepSpeed built at the first step and refuses another stage (``RequireZero3``): under ZeRO-0/1
+  DeepSpeed 0.19.8 summed the sequence-parallel ranks' gradients instead of averaging them, while
+  Transformers' SP loss already scales each rank's gradient by ``sp_size``.
 - ``--parallelism torch-cp``: torch context parallelism (``cp_size`` = the world size, FSDP2, SDPA;
   CUDA only: torch has no sharding rule for the CPU SDPA kernel). Accelerate replaces every
   attention mask with ``is_causal=True``, so packed documents attend to each other: **not exact**
@@ -154,6 +153,27 @@ class SequenceParallelTrainer(Trainer):
         return out
 
 
+class RequireZero3(TrainerCallback):
+    """What ``--parallelism ulysses`` relies on to equal one process, checked on the engine DeepSpeed built
+    (at the first step, on every rank alike, before any collective of the step): ZeRO stage 3, as
+    tests/test_sequence_parallel.py tests it exact. Under other stages DeepSpeed reduces the
+    sequence-parallel ranks' gradients otherwise (0.19.8's ZeRO-1 sums them, each already ``sp_size`` x its
+    share through Transformers' all-gathered SP loss), which would train silently off the single-process run."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        engine = self.trainer.model_wrapped
+        stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else None
+        if stage != 3:
+            raise RuntimeError(
+                f"--parallelism ulysses is exact under DeepSpeed ZeRO-3 only, but the engine runs ZeRO stage {stage} "
+                "(the recipe's ZERO3 config sets stage 3): under other stages the sequence-parallel ranks' gradients "
+                "are not averaged as one process's. Keep the recipe's ZeRO-3 config"
+            )
+
+
 class StepMetrics(TrainerCallback):
     """One metrics.jsonl record per optimizer step, with the fields of DistCACallback's that the suite reads."""
 
@@ -274,6 +294,8 @@ def main(argv=None) -> dict:
     metrics = StepMetrics(
         trainer, os.path.join(args.output_dir, "metrics.jsonl"), world * args.tokens_per_rank, sent
     )
+    if args.parallelism == "ulysses":
+        trainer.add_callback(RequireZero3(trainer))
     trainer.add_callback(metrics)
     trainer.train()
     summary = {
