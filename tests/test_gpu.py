@@ -346,3 +346,49 @@ def test_compiled_layers_on_cuda_match_eager(backend):
     for name, ref in want.items():
         err = (got[name] - ref).abs().max().item()
         assert err <= 4 * rtol * ref.abs().max().item(), f"{name}: max |compiled - eager| = {err}"
+
+
+def test_cuda_graphs_around_the_attention_ops_give_eager_numbers_for_every_layout():
+    """Each decoder layer compiled with ``mode="reduce-overhead"`` (CUDA graphs) and rematerialization-aware
+    checkpointing: the attention ops run between the captured partitions, so layouts of the same shape but
+    other documents (and the first layout again) give eager's loss and gradients, attention not recomputed."""
+    import copy
+
+    import hf_distca
+    from hf_distca import metrics
+    from hf_distca.data.loader import DistCALayout
+
+    model = _bf16_llama(max_position_embeddings=2048, initializer_range=0.02, use_cache=False)
+    model.train()
+    eager = copy.deepcopy(model)
+    for m in (model, eager):
+        hf_distca.enable_distca(m)
+        hf_distca.enable_remat_checkpointing(m)
+    for layer in model.model.layers:
+        layer.compile(mode="reduce-overhead", fullgraph=True)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 128, (1, 1436), generator=g).cuda()
+
+    def run(m, lens):
+        pieces = tuple((d, 0, n) for d, n in enumerate(lens))
+        positions = torch.cat([torch.arange(n) for n in lens])[None].cuda()
+        layout = DistCALayout(pieces=pieces, all_pieces=(pieces,))
+        torch.compiler.cudagraph_mark_step_begin()
+        m.zero_grad()
+        out = m(input_ids=ids, position_ids=positions, labels=ids, distca_layout=layout)
+        out.loss.backward()
+        return out.loss.detach().float(), {n: p.grad.float().clone() for n, p in m.named_parameters()}
+
+    rtol, _ = TOL["gpu_out"]
+    for step, lens in enumerate([[300, 1000, 129, 7]] * 3 + [[700, 600, 136], [1436], [300, 1000, 129, 7]]):
+        want_loss, want = run(eager, lens)
+        metrics.reset()
+        got_loss, got = run(model, lens)
+        msg = f"step {step}, documents {lens}"
+        assert metrics.snapshot().attn_fwd_kernels == model.config.num_hidden_layers, msg
+        assert abs(got_loss - want_loss) <= rtol * abs(want_loss), msg
+        for name, ref in want.items():
+            err = (got[name] - ref).abs().max().item()
+            assert err <= 4 * rtol * ref.abs().max().item(), (
+                f"{msg}, {name}: max |cuda graphs - eager| = {err}"
+            )

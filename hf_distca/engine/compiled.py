@@ -17,6 +17,9 @@ Forward returns the output and the log-sum-exp (its rows are the server kernel's
 knows: an unbacked size for the compiler); backward rebuilds the same runner from the token (plans are
 cached; a rebuilt plan is identical) and runs the eager runner's backward.
 
+Under ``mode="reduce-overhead"`` (CUDA graphs) the ops run between the captured partitions: they carry
+``torch.Tag.cudagraph_unsafe``.
+
 Rematerialization-aware checkpointing (:mod:`hf_distca.checkpointing`) holds either way: a checkpoint traced
 inside the compiled region keeps these ops' outputs by torch's selective checkpointing; an eager checkpoint
 around a compiled region (each decoder layer compiled) hands the kept results to these ops at run time.
@@ -47,6 +50,10 @@ __all__ = [
     "register_runtime",
 ]
 
+# The ops read plans and offsets on the host and exchange rows with other ranks: never inside a CUDA graph.
+# Inductor's graph partitioning (on by default since torch 2.9) splits a mode="reduce-overhead" graph around
+# ops tagged so, and replays only the partitions between them.
+_OUTSIDE_CUDA_GRAPHS = (torch.Tag.cudagraph_unsafe,)
 _keys = itertools.count(1)
 _layouts: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 _runtimes: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
@@ -81,6 +88,17 @@ def _lookup(registry: weakref.WeakValueDictionary, key: int, what: str) -> Any:
             "distca_layout) and the model's runtime alive until backward has run"
         )
     return found
+
+
+def _refuse_capture() -> None:
+    """Raise when a CUDA graph is being captured around an attention op (see ``_OUTSIDE_CUDA_GRAPHS``)."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "the distca attention ops cannot run inside a CUDA graph (they plan on the host and exchange rows "
+            "with other ranks): compile with Inductor's graph partitioning on (torch._inductor.config."
+            "graph_partition=True, the default of recent torch), which keeps them out of the graphs, or use "
+            'mode="default" / "max-autotune-no-cudagraphs"'
+        )
 
 
 def _kept(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -121,7 +139,7 @@ def _core_runner(q, k, v, token: torch.Tensor, runtime_key: int, scale: float | 
     return runner, prepared
 
 
-@torch.library.custom_op("hf_distca::core_attention_fwd", mutates_args=())
+@torch.library.custom_op("hf_distca::core_attention_fwd", mutates_args=(), tags=_OUTSIDE_CUDA_GRAPHS)
 def _core_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -131,6 +149,7 @@ def _core_fwd(
     scale: float | None,
     window: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    _refuse_capture()
     saved = _kept(q)
     if saved is not None:
         return saved
@@ -145,7 +164,7 @@ def _core_fwd_fake(q, k, v, token, runtime_key, scale, window):
     return torch.empty_like(q), q.new_empty((rows, q.shape[1]), dtype=_lse_dtype(q))
 
 
-@torch.library.custom_op("hf_distca::core_attention_bwd", mutates_args=())
+@torch.library.custom_op("hf_distca::core_attention_bwd", mutates_args=(), tags=_OUTSIDE_CUDA_GRAPHS)
 def _core_bwd(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -213,7 +232,7 @@ def _local_runner(q, cu_seq_lens, position_ids, batch: int, scale, backend: str,
     return LocalRunner(VarlenLayout(cu, cu, longest, longest), Kernel(scale, backend), window)
 
 
-@torch.library.custom_op("hf_distca::local_attention_fwd", mutates_args=())
+@torch.library.custom_op("hf_distca::local_attention_fwd", mutates_args=(), tags=_OUTSIDE_CUDA_GRAPHS)
 def _local_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -225,6 +244,7 @@ def _local_fwd(
     backend: str,
     window: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    _refuse_capture()
     saved = _kept(q)
     if saved is not None:
         return saved
@@ -237,7 +257,7 @@ def _local_fwd_fake(q, k, v, cu_seq_lens, position_ids, batch, scale, backend, w
     return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=_lse_dtype(q))
 
 
-@torch.library.custom_op("hf_distca::local_attention_bwd", mutates_args=())
+@torch.library.custom_op("hf_distca::local_attention_bwd", mutates_args=(), tags=_OUTSIDE_CUDA_GRAPHS)
 def _local_bwd(
     dout: torch.Tensor,
     q: torch.Tensor,
