@@ -99,12 +99,24 @@ def _save_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointP
     return CheckpointPolicy.MUST_SAVE if op in attention_forward_ops() else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _traced() -> bool:
+    """Whether a checkpoint called now is being traced for torch.compile: torch.utils.checkpoint then asks its
+    ``context_fn`` for two TorchDispatchModes, exactly when a proxy mode is active. torch < 2.13 does not
+    report that through ``torch.compiler.is_compiling()`` while AOTAutograd traces a checkpoint inside the
+    compiled region (Transformers >= 5.25 checkpoints inside each decoder layer's forward, so compiling a
+    layer traces it), hence the same test as torch's own."""
+    if torch.compiler.is_compiling():
+        return True
+    proxy = getattr(torch._C, "_TorchDispatchModeKey", None)
+    return proxy is not None and torch._C._get_dispatch_mode(proxy.PROXY) is not None
+
+
 def remat_context_fn() -> tuple[Any, Any]:
     """``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: a fresh frame
     and its (forward, recompute) context managers. Inside torch.compile (which traces checkpoint with
     selective-checkpointing contexts only) the same effect through torch's public selective checkpointing:
     the engine's compiled attention ops (:mod:`hf_distca.engine.compiled`) are saved, never recomputed."""
-    if torch.compiler.is_compiling():
+    if _traced():
         return create_selective_checkpoint_contexts(_save_attention)
     frame = _Frame()
     return _FrameContext(_FORWARD, frame), _FrameContext(_RECOMPUTE, frame)
@@ -165,7 +177,7 @@ class _Both:
 
 def _composed(user_context_fn: Callable[[], tuple[Any, Any]]) -> Callable[[], tuple[Any, Any]]:
     def context_fn() -> tuple[_Both, _Both]:
-        if torch.compiler.is_compiling():
+        if _traced():
             raise RuntimeError(
                 "rematerialization-aware checkpointing with your own checkpoint context_fn cannot run inside "
                 "torch.compile (it traces one selective-checkpointing context only); drop the context_fn, or use "
