@@ -111,12 +111,30 @@ def _traced() -> bool:
     return proxy is not None and torch._C._get_dispatch_mode(proxy.PROXY) is not None
 
 
+TRACED_REMAT_MIN_TORCH = (2, 13)
+"""The oldest torch whose Inductor compiles the backward of a rematerialization-aware checkpoint traced
+inside a compiled region (torch 2.11's fails on the attention statistics' plan-sized rows)."""
+
+
+def _check_traced_remat_supported() -> None:
+    version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    if version < TRACED_REMAT_MIN_TORCH:
+        raise RuntimeError(
+            f"rematerialization-aware checkpointing traced inside torch.compile needs torch >= "
+            f"{'.'.join(map(str, TRACED_REMAT_MIN_TORCH))}, this is torch {torch.__version__} (Transformers >= 5.25 "
+            "checkpoints inside each decoder layer's forward, so compiling a layer or the model traces the "
+            "checkpoint). Upgrade torch, or checkpoint with plain recompute (DistCACallback(recompute_attention=True)), "
+            "or leave the model uncompiled"
+        )
+
+
 def remat_context_fn() -> tuple[Any, Any]:
     """``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: a fresh frame
     and its (forward, recompute) context managers. Inside torch.compile (which traces checkpoint with
     selective-checkpointing contexts only) the same effect through torch's public selective checkpointing:
     the engine's compiled attention ops (:mod:`hf_distca.engine.compiled`) are saved, never recomputed."""
     if _traced():
+        _check_traced_remat_supported()
         return create_selective_checkpoint_contexts(_save_attention)
     frame = _Frame()
     return _FrameContext(_FORWARD, frame), _FrameContext(_RECOMPUTE, frame)

@@ -248,3 +248,17 @@ def test_compiled_distca_layouts_match_eager_on_two_ranks():
             assert_same_step(res["got"], res["eager"], msg)
             assert res["calls"] == 2, msg  # one engine call per layer, none again in the recompute
             assert res["bytes"] > 0, msg  # documents cut across the ranks: the engine really exchanged rows
+
+
+def test_remat_traced_inside_compile_is_refused_on_torch_older_than_it_needs(monkeypatch):
+    """torch < 2.13's Inductor cannot compile the backward of a rematerialization-aware checkpoint traced in a
+    compiled region: refused with a message naming the versions, whatever the backend and fullgraph."""
+    ids, positions, weights = global_batch()
+    inputs = {"input_ids": ids[None], "position_ids": positions[None]}
+    model = tiny_llama(layers=1)
+    model.train()
+    hf_distca.enable_remat_checkpointing(model)
+    monkeypatch.setattr(torch, "__version__", "2.12.1")
+    for fullgraph in (True, False):
+        with pytest.raises(Exception, match=r"needs torch >= 2\.13, this is torch 2\.12\.1"):
+            step(torch.compile(model, fullgraph=fullgraph, backend="aot_eager"), weights, **inputs)

@@ -16,6 +16,7 @@ import torch
 from tolerances import TOL
 
 from hf_distca import kernels
+from hf_distca.checkpointing import TRACED_REMAT_MIN_TORCH
 from hf_distca.engine import local_attention
 from hf_distca.kernels import (
     ForwardTensors,
@@ -266,6 +267,10 @@ def test_auto_backend_on_cuda_bf16_is_a_gpu_kernel():
     assert available_backends(torch.device("cuda"), torch.float32) == ["reference"]
 
 
+def _torch_older_than(version: tuple[int, int]) -> bool:
+    return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) < version
+
+
 def _bf16_llama(**overrides):
     """tests/test_attention_hf.py's tiny Llama (random weights of seed 0, vocabulary 128) 256 wide, with 4
     query and 2 KV heads of 64, in bf16 on CUDA under distca."""
@@ -336,6 +341,10 @@ def test_compiled_layers_on_cuda_match_eager(backend):
         return out.loss.detach().float(), {n: p.grad.float() for n, p in m.named_parameters()}
 
     want_loss, want = run(eager)
+    if _torch_older_than(TRACED_REMAT_MIN_TORCH):
+        with pytest.raises(Exception, match="checkpointing traced inside torch.compile needs torch >= "):
+            run(model)  # Transformers >= 5.25 checkpoints inside the compiled layer: refused on old torch
+        return
     run(model)  # compiles
     model.zero_grad()
     metrics.reset()
@@ -348,10 +357,12 @@ def test_compiled_layers_on_cuda_match_eager(backend):
         assert err <= 4 * rtol * ref.abs().max().item(), f"{name}: max |compiled - eager| = {err}"
 
 
-def test_cuda_graphs_around_the_attention_ops_give_eager_numbers_for_every_layout():
-    """Each decoder layer compiled with ``mode="reduce-overhead"`` (CUDA graphs) and rematerialization-aware
-    checkpointing: the attention ops run between the captured partitions, so layouts of the same shape but
-    other documents (and the first layout again) give eager's loss and gradients, attention not recomputed."""
+@pytest.mark.parametrize("remat", [False, True])
+def test_cuda_graphs_around_the_attention_ops_give_eager_numbers_for_every_layout(remat):
+    """Each decoder layer compiled with ``mode="reduce-overhead"`` (CUDA graphs), with or without
+    rematerialization-aware checkpointing: the attention ops run between the captured partitions, so layouts
+    of the same shape but other documents (and the first layout again) give eager's loss and gradients,
+    attention not recomputed."""
     import copy
 
     import hf_distca
@@ -363,7 +374,8 @@ def test_cuda_graphs_around_the_attention_ops_give_eager_numbers_for_every_layou
     eager = copy.deepcopy(model)
     for m in (model, eager):
         hf_distca.enable_distca(m)
-        hf_distca.enable_remat_checkpointing(m)
+        if remat:
+            hf_distca.enable_remat_checkpointing(m)
     for layer in model.model.layers:
         layer.compile(mode="reduce-overhead", fullgraph=True)
     g = torch.Generator().manual_seed(1)
@@ -379,6 +391,10 @@ def test_cuda_graphs_around_the_attention_ops_give_eager_numbers_for_every_layou
         out.loss.backward()
         return out.loss.detach().float(), {n: p.grad.float().clone() for n, p in m.named_parameters()}
 
+    if remat and _torch_older_than(TRACED_REMAT_MIN_TORCH):
+        with pytest.raises(Exception, match="checkpointing traced inside torch.compile needs torch >= "):
+            run(model, [1436])
+        return
     rtol, _ = TOL["gpu_out"]
     for step, lens in enumerate([[300, 1000, 129, 7]] * 3 + [[700, 600, 136], [1436], [300, 1000, 129, 7]]):
         want_loss, want = run(eager, lens)
