@@ -30,6 +30,27 @@ def exact_run_args(max_steps: int, num_documents: int) -> list[str]:
     ]  # fmt: skip
 
 
+def baseline_args(argv: list[str], attn: str) -> list[str]:
+    """``argv`` for a run without disaggregation (``--attn`` ``attn``: local, sdpa, flash): without the
+    DistCAConfig flags such a run refuses as having no effect there (the engine's; for another attention than
+    distca's, the kernel backend too)."""
+    import dataclasses
+
+    from hf_distca.config import ATTENTION_FUNCTION_FIELDS, DATA_PATH_FIELDS, DistCAConfig
+
+    live = DATA_PATH_FIELDS + (ATTENTION_FUNCTION_FIELDS if attn == "local" else ())
+    fields = {f.name: f for f in dataclasses.fields(DistCAConfig) if f.name not in live}
+    out, i = [], 0
+    while i < len(argv):
+        name = argv[i].removeprefix("--no-").removeprefix("--").replace("-", "_")
+        if argv[i].startswith("--") and name in fields:
+            i += 1 if isinstance(fields[name].default, bool) else 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return [*out, "--attn", attn]
+
+
 def _script_module(script: str):
     """The module of ``script``: a file name in recipes/, or a path from the repository root."""
     path = os.path.join(

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 from extras import require
-from run_recipes import launch
+from run_recipes import baseline_args, launch
 from tolerances import TOL
 
 from hf_distca.data import DistCABatches
@@ -53,12 +53,13 @@ def test_sft_trainer_and_baselines_match_the_trainer_recipe_on_two_ranks(tmp_pat
             "finetune_long_docs.py",
             ["--layout", "tokens", "--max-planner-moves", "0", "--pad-to-budget"],
         ],
-        "hf_default": ["finetune_long_docs.py", ["--layout", "hf-default", "--attn", "local"]],
+        "hf_default": ["finetune_long_docs.py", ["--layout", "hf-default"]],
     }
     spec = [
         [recipe, [*data, *extra, "--output-dir", str(tmp_path / name)]]
         for name, (recipe, extra) in runs.items()
     ]
+    spec[-1][1] = baseline_args(spec[-1][1], "local")
     launch(2, spec, tmp_path)
     got = {name: records(tmp_path / name) for name in runs}
     ref = got["trainer"]

@@ -17,7 +17,7 @@ import subprocess
 
 import pytest
 import torch
-from run_recipes import exact_run_args, launch
+from run_recipes import baseline_args, exact_run_args, launch
 from safetensors.torch import load_file
 from tolerances import TOL
 
@@ -101,7 +101,7 @@ def test_recipe_exact_across_world_sizes(tmp_path):
     for world, flags in extra.items():
         argvs = [recipe_argv(world, tmp_path / f"w{world}", *flags)]
         if world == 2:
-            argvs.append(recipe_argv(2, tmp_path / "local", "--attn", "local", "--pad-to-budget"))
+            argvs.append(baseline_args(recipe_argv(2, tmp_path / "local", "--pad-to-budget"), "local"))
         launch(world, [["finetune_long_docs.py", argv] for argv in argvs], tmp_path)
     runs = {w: recipe_results(tmp_path / f"w{w}") for w in extra}
     ref_records, ref_weights = runs[1]
@@ -212,7 +212,7 @@ def test_recipe_windowed_models_equal_on_one_and_two_processes(tmp_path):
                         1,
                         f"{model}-sdpa",
                         out.with_name(out.name + "-sdpa"),
-                        argv[:5] + [f"{out}-sdpa", *argv[6:], "--attn", "sdpa"],
+                        baseline_args(argv[:5] + [f"{out}-sdpa", *argv[6:]], "sdpa"),
                     )
                 )
     for world in (1, 2):
