@@ -395,6 +395,9 @@ def test_cuda_graphs_around_the_attention_ops_give_eager_numbers_for_every_layou
         with pytest.raises(Exception, match="checkpointing traced inside torch.compile needs torch >= "):
             run(model, [1436])
         return
+    from torch._dynamo.utils import counters
+
+    counters.clear()
     rtol, _ = TOL["gpu_out"]
     for step, lens in enumerate([[300, 1000, 129, 7]] * 3 + [[700, 600, 136], [1436], [300, 1000, 129, 7]]):
         want_loss, want = run(eager, lens)
@@ -408,3 +411,5 @@ def test_cuda_graphs_around_the_attention_ops_give_eager_numbers_for_every_layou
             assert err <= 4 * rtol * ref.abs().max().item(), (
                 f"{msg}, {name}: max |cuda graphs - eager| = {err}"
             )
+    # Inductor captured the partitions around the ops instead of giving up CUDA graphs for these layers
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
