@@ -106,7 +106,7 @@ def main() -> int:
         layout,
         q_row_bytes=args.heads * args.head_dim * elem,
         kv_row_bytes=2 * args.kv_heads * args.head_dim * elem,
-        config=config,
+        options=config.planner_options(),
     )
     for t in (q, k, v):
         t.grad = None

@@ -134,7 +134,7 @@ def server_mix(
         [[tuple(p) for p in rank] for rank in pieces],
         q_row_bytes=32 * 128 * 2,
         kv_row_bytes=2 * 8 * 128 * 2,
-        config=DistCAConfig(),
+        options=DistCAConfig().planner_options(),
     )
     busiest = max(range(servers), key=lambda s: plan.load_after[s])
     tasks = plan.tasks[busiest]

@@ -56,12 +56,11 @@ import numpy as np
 
 from hf_distca import plan_core_attention
 from hf_distca.cli import add_config_arguments, config_from_args
-from hf_distca.config import DistCAConfig
+from hf_distca.config import DistCAConfig, cost_model_from_config
 from hf_distca.data import layout_balanced, plan_global_batches
 from hf_distca.planning import (
     attention_flops_per_pair,
-    cost_model_from_config,
-    link_model_from_config,
+    link_model_from_options,
     plan_critical_path,
 )
 
@@ -154,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     config = config_from_args(args)
     flops = attention_flops_per_pair(args.heads, args.head_dim)
     cost = cost_model_from_config(config)  # "auto" (the default) is causal pairs here: no engine, no GPU
-    link = link_model_from_config(config, cost, flops)
+    link = link_model_from_options(config.planner_options(), cost, flops)
     balance_only = DistCAConfig(**{**config.__dict__, "link_gib_per_s": None})
     model = simulate.ModelShape(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                                 bytes_per_element=args.elem_bytes)  # fmt: skip
@@ -164,7 +163,12 @@ def main(argv: list[str] | None = None) -> None:
 
     def plan(pieces, cfg=config):
         return plan_core_attention(
-            pieces, q_row_bytes=q_row, kv_row_bytes=kv_row, config=cfg, cost_model=cost, flops_per_pair=flops
+            pieces,
+            q_row_bytes=q_row,
+            kv_row_bytes=kv_row,
+            options=cfg.planner_options(),
+            cost_model=cost,
+            flops_per_pair=flops,
         )
 
     plan([[(0, 0, 1)]])  # warm-up

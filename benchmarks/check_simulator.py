@@ -61,12 +61,11 @@ import bench_remat  # noqa: E402  (its command-line parser: the results tables h
 import common  # noqa: E402
 import simulate as sim  # noqa: E402
 
-from hf_distca.config import DistCAConfig  # noqa: E402
+from hf_distca.config import DistCAConfig, cost_model_from_config  # noqa: E402
 from hf_distca.cost_tables import find_shipped_table  # noqa: E402
 from hf_distca.data.baselines import LAYOUTS  # noqa: E402
 from hf_distca.data.nano import NANO_BATCHES  # noqa: E402
 from hf_distca.planning import plan_core_attention  # noqa: E402
-from hf_distca.planning.cost import cost_model_from_config  # noqa: E402
 from hf_distca.planning.links import attention_flops_per_pair  # noqa: E402
 
 RECOMPUTE = {"remat": "remat", "recompute": "full"}
@@ -289,7 +288,7 @@ def plan_as_engine(all_pieces, model: sim.ModelShape, config: DistCAConfig):
         [list(p) for p in all_pieces],
         q_row_bytes=model.q_row_bytes,
         kv_row_bytes=model.kv_row_bytes,
-        config=config,
+        options=config.planner_options(),
         cost_model=cost_model_from_config(config),
         flops_per_pair=attention_flops_per_pair(model.heads, model.head_dim),
     )

@@ -109,14 +109,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hf_distca.config import BALANCE_ONLY_TOLERANCE, PRICED_TOLERANCE, DistCAConfig
+from hf_distca.config import DistCAConfig, cost_model_from_config
 from hf_distca.data.baselines import LAYOUTS
 from hf_distca.data.nano import nano_tokens_per_rank, split_documents, whole_tokens_per_rank
 from hf_distca.planning import MeasuredCost, plan_core_attention
 from hf_distca.planning import schedule as schedule_ops
-from hf_distca.planning.cost import causal_pairs, cost_model_from_config
+from hf_distca.planning.cost import causal_pairs
 from hf_distca.planning.links import LAYER_FORWARD_SHARE, attention_flops_per_pair, layer_seconds_per_token
 from hf_distca.planning.nano import nano_plans
+from hf_distca.planning.options import BALANCE_ONLY_TOLERANCE, PRICED_TOLERANCE
 from hf_distca.planning.relay import relay_kv_bytes
 from hf_distca.planning.traffic import (
     INTER,
@@ -548,7 +549,7 @@ def _planned(layout_name, disaggregate, lengths, world, tokens_per_rank, config,
         return pieces, None, 0.0
     began = time.process_time()  # CPU seconds: the planner's cost, not the wait for a shared machine's cores
     plan = plan_core_attention(
-        pieces, q_row_bytes=q_row, kv_row_bytes=kv_row, config=config, flops_per_pair=flops,
+        pieces, q_row_bytes=q_row, kv_row_bytes=kv_row, options=config.planner_options(), flops_per_pair=flops,
         cost_model=cost_model_from_config(config),
     )  # fmt: skip
     return pieces, plan, time.process_time() - began

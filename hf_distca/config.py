@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass
 
-# The one list of kernel backend names: "auto", then every backend in the order "auto" prefers them.
-KERNEL_BACKENDS = ("auto", "cudnn", "torch_varlen", "flash_attn", "reference")
-# How ping-pong splits a micro-batch's core attention (see hf_distca.planning.nano).
-PING_PONG_SPLITS = ("local_first", "halves")
+from hf_distca.kernels import KERNEL_BACKENDS
+from hf_distca.planning.cost import CausalPairsCost, MeasuredCost
+from hf_distca.planning.nano import PING_PONG_SPLITS
+from hf_distca.planning.options import PlannerOptions
+
 # DistCAConfig fields that change how a plan is run or checked, never the plan itself.
 RUN_ONLY_FIELDS = (
     "backend",
@@ -27,10 +29,6 @@ ATTENTION_FUNCTION_FIELDS = ("backend",)  # the distca attention function's, wit
 DATA_PATH_FIELDS = ("pad_to_budget", "ranks_per_node")  # the data path's layouts, whatever the attention
 # DistCAConfig.cost_table's value for "the measured table of this device, dtype, head shape and kernel".
 COST_TABLE_AUTO = "auto"
-BALANCE_ONLY_TOLERANCE = 0.1
-"""DistCAConfig.tolerance None's value when communication is not priced (``link_gib_per_s`` None)."""
-PRICED_TOLERANCE = 0.02
-"""DistCAConfig.tolerance None's value when communication is priced (``link_gib_per_s`` given or measured)."""
 
 
 @dataclass(frozen=True)
@@ -200,9 +198,12 @@ class DistCAConfig:
     def balance_tolerance(self) -> float:
         """The tolerance the planner balances to: ``tolerance``, or for None ``PRICED_TOLERANCE`` when
         communication is priced (``link_gib_per_s`` set) and ``BALANCE_ONLY_TOLERANCE`` otherwise."""
-        if self.tolerance is not None:
-            return self.tolerance
-        return BALANCE_ONLY_TOLERANCE if self.link_gib_per_s is None else PRICED_TOLERANCE
+        return self.planner_options().balance_tolerance
+
+    def planner_options(self) -> PlannerOptions:
+        """What the planner is told of this config: the fields of
+        :class:`~hf_distca.planning.options.PlannerOptions`, which keep these fields' names."""
+        return PlannerOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(PlannerOptions)})
 
     def plan_fields(self) -> tuple[tuple[str, object], ...]:
         """(name, value) of every field that can change the plan (all but ``RUN_ONLY_FIELDS``): what a
@@ -247,8 +248,6 @@ class DistCAConfig:
                     f"DistCAConfig.cost_table={self.cost_table!r} is not a file; write it with "
                     f"python -m hf_distca.calibrate --out {self.cost_table}"
                 )
-            from hf_distca.planning.cost import cost_model_from_config
-
             cost_model_from_config(self)  # a malformed table raises here, naming the file
         for name in ("link_gib_per_s", "intra_node_gib_per_s"):
             value = getattr(self, name)
@@ -312,3 +311,31 @@ class DistCAConfig:
             raise ValueError(
                 f"DistCAConfig.ping_pong_split must be one of {PING_PONG_SPLITS}, got {self.ping_pong_split!r}"
             )
+
+
+def cost_model_from_config(
+    config: DistCAConfig, window: int | None = None, auto_table: MeasuredCost | None = None
+) -> CausalPairsCost | MeasuredCost:
+    """The cost model ``config`` asks for (:mod:`hf_distca.planning.cost`), for a layer with this sliding
+    ``window`` (None: full causal).
+
+    ``config.cost_table`` None: :class:`~hf_distca.planning.cost.CausalPairsCost`; a path:
+    :class:`~hf_distca.planning.cost.MeasuredCost` of that table, loaded once per file version (path,
+    modification time, size) and shared by later calls; ``"auto"``: ``auto_table``, the table the engine
+    resolved for the device, dtype, head shape and kernel (:mod:`hf_distca.engine.cost_probe`), or causal
+    pairs when it is None (CPU tensors, no engine)."""
+    path = config.cost_table
+    if path == COST_TABLE_AUTO:
+        return (_PAIRS if auto_table is None else auto_table).with_window(window)
+    if path is None:
+        return _PAIRS.with_window(window)
+    stat = os.stat(path)
+    return _load_table(os.path.abspath(path), stat.st_mtime_ns, stat.st_size).with_window(window)
+
+
+_PAIRS = CausalPairsCost()
+
+
+@functools.lru_cache(maxsize=8)
+def _load_table(path: str, mtime_ns: int, size: int) -> MeasuredCost:
+    return MeasuredCost.from_json(path)

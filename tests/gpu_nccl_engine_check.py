@@ -32,7 +32,7 @@ from oracle import Layout, named_layouts, oracle_with_grads, random_qkv  # noqa:
 from tolerances import TOL  # noqa: E402
 
 from hf_distca import DistCAConfig, core_attention, metrics  # noqa: E402
-from hf_distca.config import PING_PONG_SPLITS  # noqa: E402
+from hf_distca.planning.nano import PING_PONG_SPLITS  # noqa: E402
 
 # bf16 inputs and kernels vs the float64 oracle: max |a - b| <= BF16_TOL * max |b| per tensor (b: the whole
 # tensor over all ranks, a: this rank's rows).

@@ -14,15 +14,17 @@ from distributed import run_distributed
 
 from hf_distca import DistCAConfig, calibrate, plan_core_attention
 from hf_distca.cli import add_config_arguments, config_from_args
+from hf_distca.config import cost_model_from_config
 from hf_distca.cost_tables import (
     find_shipped_table,
     load_shipped_table,
     shipped_table_data,
     shipped_table_names,
     table_matches,
+    timing,
 )
 from hf_distca.engine import clear_plan_cache, cost_probe, prepare
-from hf_distca.planning import CausalPairsCost, MeasuredCost, attention_flops_per_pair, cost_model_from_config
+from hf_distca.planning import CausalPairsCost, MeasuredCost, attention_flops_per_pair
 
 H200 = dict(device_name="NVIDIA H200", dtype=torch.bfloat16, q_heads=32, kv_heads=8, head_dim=128)
 SHIPPED = {"cudnn": "h200_bf16_32x8x128_cudnn.json", "torch_varlen": "h200_bf16_32x8x128_torch_varlen.json"}
@@ -79,18 +81,18 @@ def test_auto_plans_with_the_shipped_table_and_pairs_without_one():
     auto = DistCAConfig(shard_tokens=128)
     with resources.as_file(resources.files("hf_distca.cost_tables") / SHIPPED["cudnn"]) as path:
         explicit = DistCAConfig(shard_tokens=128, cost_table=str(path))
-        by_path = plan_core_attention(PIECES, **ROW_BYTES, config=explicit, flops_per_pair=FLOPS,
+        by_path = plan_core_attention(PIECES, **ROW_BYTES, options=explicit.planner_options(), flops_per_pair=FLOPS,
                                       cost_model=cost_model_from_config(explicit))  # fmt: skip
-    by_auto = plan_core_attention(PIECES, **ROW_BYTES, config=auto, flops_per_pair=FLOPS,
+    by_auto = plan_core_attention(PIECES, **ROW_BYTES, options=auto.planner_options(), flops_per_pair=FLOPS,
                                   cost_model=cost_model_from_config(auto, auto_table=shipped))  # fmt: skip
     assert by_auto.digest() == by_path.digest() and by_auto.load_after == by_path.load_after
     # the loads are the table's seconds: the measured cost of each server's tasks
     assert max(by_auto.load_before) == pytest.approx(shipped.task_cost(0, 32768))
     pairs = DistCAConfig(shard_tokens=128, cost_table=None)
-    by_pairs = plan_core_attention(PIECES, **ROW_BYTES, config=pairs, flops_per_pair=FLOPS)
+    by_pairs = plan_core_attention(PIECES, **ROW_BYTES, options=pairs.planner_options(), flops_per_pair=FLOPS)
     assert by_pairs.digest() != by_auto.digest()
     assert isinstance(cost_model_from_config(auto), CausalPairsCost)  # no table resolved: pairs
-    no_table = plan_core_attention(PIECES, **ROW_BYTES, config=auto, flops_per_pair=FLOPS,
+    no_table = plan_core_attention(PIECES, **ROW_BYTES, options=auto.planner_options(), flops_per_pair=FLOPS,
                                    cost_model=cost_model_from_config(auto))  # fmt: skip
     assert no_table.digest() == by_pairs.digest()
 
@@ -121,7 +123,7 @@ def test_config_values_and_recipe_flag():
 
 def test_startup_command_on_cpu(tmp_path, capsys, monkeypatch):
     """``--startup`` times the start-up grid (a stand-in timer: the reference kernel at 32K is minutes)."""
-    monkeypatch.setattr(calibrate, "time_task", lambda q_len, kv_len, **_: 1e-6 * (q_len + kv_len))
+    monkeypatch.setattr(timing, "time_task", lambda q_len, kv_len, **_: 1e-6 * (q_len + kv_len))
     table = calibrate.main(["--out", str(tmp_path / "t.json"), "--device", "cpu", "--backend", "reference",
                             "--dtype", "float32", "--heads", "2", "--kv-heads", "1", "--head-dim", "8",
                             "--fuse-tokens", "64", "--startup", "--q-lens", "1", "--kv-lens", "1"])  # fmt: skip
@@ -152,13 +154,13 @@ def _worker(rank: int, world: int) -> dict:
     out["seconds"] = cost_probe.last_measurement_seconds
 
     # 3. the ranks' timings differ and only rank 0 has a shipped table: the mean of the ranks' tables
-    real_time_task, real_find = calibrate.time_task, cost_probe.find_shipped_table
-    calibrate.time_task = lambda q_len, kv_len, **_: (rank + 1) * 1e-6 * (q_len + kv_len)
+    real_time_task, real_find = timing.time_task, cost_probe.find_shipped_table
+    timing.time_task = lambda q_len, kv_len, **_: (rank + 1) * 1e-6 * (q_len + kv_len)
     cost_probe.find_shipped_table = lambda *a: SHIPPED["cudnn"] if rank == 0 else None
     try:
         mean = cost_probe.agree_on_table(None, torch.device("cpu"), torch.float32, 2, 1, 8, "reference", **kw)
     finally:
-        calibrate.time_task, cost_probe.find_shipped_table = real_time_task, real_find
+        timing.time_task, cost_probe.find_shipped_table = real_time_task, real_find
     out["mean"] = (mean.digest(), mean.seconds.tolist())
 
     # 4. one rank cannot measure: nobody does, every rank plans causal pairs
@@ -173,9 +175,9 @@ def test_auto_tables_agree_on_gloo():
     results = run_distributed(_worker, 2, timeout=240)
     auto = DistCAConfig(shard_tokens=128)
     shipped = load_shipped_table(SHIPPED["cudnn"])
-    want = plan_core_attention(PIECES, **ROW_BYTES, config=auto, flops_per_pair=FLOPS,
+    want = plan_core_attention(PIECES, **ROW_BYTES, options=auto.planner_options(), flops_per_pair=FLOPS,
                                cost_model=cost_model_from_config(auto, auto_table=shipped))  # fmt: skip
-    pairs = plan_core_attention(PIECES, **ROW_BYTES, config=DistCAConfig(shard_tokens=128, cost_table=None),
+    pairs = plan_core_attention(PIECES, **ROW_BYTES, options=DistCAConfig(shard_tokens=128, cost_table=None).planner_options(),
                                 flops_per_pair=FLOPS)  # fmt: skip
     assert want.digest() != pairs.digest()  # the ranks planned with the table, not with pairs
     for rank, res in enumerate(results):

@@ -266,7 +266,7 @@ def _check_attention_case(case: dict, per_rank: list[dict], world: int) -> dict:
         assert (causal[0] - ref[0]).abs().max() > 0.1, label
     elem = q_all.element_size()
     plan = plan_core_attention(
-        layout.pieces, q_row_bytes=hq * D * elem, kv_row_bytes=2 * hkv * D * elem, config=case["config"],
+        layout.pieces, q_row_bytes=hq * D * elem, kv_row_bytes=2 * hkv * D * elem, options=case["config"].planner_options(),
         flops_per_pair=attention_flops_per_pair(hq, D), window=window,
     )  # fmt: skip
     exact = _exact_replay(layout, plan, q_all, k_all, v_all)
@@ -381,10 +381,13 @@ def test_engine_distributed_and_remat(world):
         hq, hkv = HEADS["gqa"]
         rows = {"q_row_bytes": hq * D * 8, "kv_row_bytes": 2 * hkv * D * 8}
         priced = plan_core_attention(
-            giant.pieces, config=PRICED, flops_per_pair=attention_flops_per_pair(hq, D), **rows
+            giant.pieces,
+            options=PRICED.planner_options(),
+            flops_per_pair=attention_flops_per_pair(hq, D),
+            **rows,
         )
         balance_only = plan_core_attention(
-            giant.pieces, config=DistCAConfig(shard_tokens=8, tolerance=0.3), **rows
+            giant.pieces, options=DistCAConfig(shard_tokens=8, tolerance=0.3).planner_options(), **rows
         )
         assert (
             priced.digest() != balance_only.digest()

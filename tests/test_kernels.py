@@ -16,9 +16,9 @@ import torch
 from oracle import visible
 from tolerances import TOL
 
-from hf_distca.config import KERNEL_BACKENDS
 from hf_distca.engine import local_attention
 from hf_distca.kernels import (
+    KERNEL_BACKENDS,
     UnsupportedFeatureError,
     attention_backward,
     attention_forward,

@@ -65,7 +65,7 @@ def test_link_probe_on_gloo():
     # the plan is the planner's with the measured figure
     plan = plan_core_attention(
         layout.pieces, q_row_bytes=HQ * D * 8, kv_row_bytes=2 * HKV * D * 8,
-        config=DistCAConfig(**{**CONFIG.__dict__, "link_gib_per_s": gib}),
+        options=DistCAConfig(**{**CONFIG.__dict__, "link_gib_per_s": gib}).planner_options(),
         flops_per_pair=attention_flops_per_pair(HQ, D),
     )  # fmt: skip
     assert plan.digest() == results[0]["digest"]

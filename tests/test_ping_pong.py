@@ -145,7 +145,9 @@ def test_ping_pong_split_layouts_and_indices(world):
         for layout in named_layouts(world, seed):
             for shard, split in ((8, "halves"), (16, "halves"), (8, "local_first")):
                 config = DistCAConfig(shard_tokens=shard, tolerance=0.1)
-                plan = plan_core_attention(layout.pieces, q_row_bytes=32, kv_row_bytes=64, config=config)
+                plan = plan_core_attention(
+                    layout.pieces, q_row_bytes=32, kv_row_bytes=64, options=config.planner_options()
+                )
                 splits = [nano_batches(_prepared(plan, r, 4, 2), shard, split) for r in range(world)]
                 label = f"{layout.name}/seed {seed}/shard {shard}/{split}"
                 for server, tasks in enumerate(plan.tasks):

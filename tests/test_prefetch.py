@@ -68,7 +68,7 @@ def test_prefetched_plans_are_the_inline_plans_and_are_used():
             second,
             q_row_bytes=HQ * D * 4,
             kv_row_bytes=2 * HKV * D * 4,
-            config=CONFIG,
+            options=CONFIG.planner_options(),
             cost_model=_measured().with_window(window),
             flops_per_pair=attention_flops_per_pair(HQ, D),
             window=window,

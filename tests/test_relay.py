@@ -35,7 +35,7 @@ def _cases():
 def _plan(layout: Layout, window: int | None = None):
     config = DistCAConfig(shard_tokens=8, tolerance=0.05)
     return plan_core_attention(
-        layout.pieces, q_row_bytes=Q_ROW, kv_row_bytes=KV_ROW, config=config, window=window
+        layout.pieces, q_row_bytes=Q_ROW, kv_row_bytes=KV_ROW, options=config.planner_options(), window=window
     )
 
 

@@ -24,7 +24,7 @@ from hf_distca.planning import (
     CausalPairsCost,
     attention_flops_per_pair,
     build_dispatch_index,
-    link_model_from_config,
+    link_model_from_options,
 )
 from hf_distca.planning import traffic as ledger
 from hf_distca.planning.links import plan_critical_path
@@ -49,7 +49,7 @@ def _changed() -> np.ndarray:
 def _plan(config: DistCAConfig, q_row: int, kv_row: int):
     pieces = layout_pieces(LENGTHS, world_size=3, tokens_per_rank=5000)
     return plan_core_attention(
-        pieces, q_row_bytes=q_row, kv_row_bytes=kv_row, config=config,
+        pieces, q_row_bytes=q_row, kv_row_bytes=kv_row, options=config.planner_options(),
         flops_per_pair=attention_flops_per_pair(HEADS, HEAD_DIM),
     )  # fmt: skip
 
@@ -63,7 +63,9 @@ def _observed(config: DistCAConfig, plan=None) -> dict:
     )  # fmt: skip
     if plan is None:
         plan = _plan(config, s.model.q_row_bytes, s.model.kv_row_bytes)
-    link = link_model_from_config(config, CausalPairsCost(), attention_flops_per_pair(HEADS, HEAD_DIM))
+    link = link_model_from_options(
+        config.planner_options(), CausalPairsCost(), attention_flops_per_pair(HEADS, HEAD_DIM)
+    )
     prepared = PreparedAttention(
         plan=plan, index=build_dispatch_index(plan, 0), q_heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
         cu_seqlens_q=torch.zeros(1, dtype=torch.int32), cu_seqlens_k=torch.zeros(1, dtype=torch.int32),

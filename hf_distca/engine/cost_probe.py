@@ -7,7 +7,7 @@ rank of the group, resolved once per (group, kernel backend, dtype, head shape) 
   is balanced on one process, so nothing is measured). On several, one all-gather of
   [shipped table digest, can measure] decides for every rank alike: the shipped table when every rank
   found the same one; else, when every rank can measure, every rank times the start-up grid
-  (:data:`hf_distca.calibrate.STARTUP_LENS`, 3.3 s with torch_varlen and 6.6 s with cudnn on an H200 at 32/8 x 128: the README)
+  (:data:`hf_distca.cost_tables.timing.STARTUP_LENS`, 3.3 s with torch_varlen and 6.6 s with cudnn on an H200 at 32/8 x 128: the README)
   on its own GPU and an all-reduce averages the ranks' tables, so that every rank plans with the same
   table (the mean: the servers are alike, and averaging damps one rank's timing noise); else none. A kernel
   that resolves to ``reference`` (float32, or no CUDA kernel installed) is never measured (it is the
@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from hf_distca.comm import all_gather_rows, collective_device, group_rank_world
 from hf_distca.config import COST_TABLE_AUTO, DistCAConfig
-from hf_distca.cost_tables import find_shipped_table, load_shipped_table
+from hf_distca.cost_tables import find_shipped_table, load_shipped_table, timing
 from hf_distca.engine.consistency import digest64
 from hf_distca.kernels import resolve_backend
 from hf_distca.planning.cost import MeasuredCost
@@ -115,12 +115,10 @@ def agree_on_table(
             "planning with causal pairs"
         )
         return None
-    from hf_distca import calibrate  # the calibration command imports the kernels and the engine
-
     # the mean of the ranks' measured tables
-    lens = sorted(set(calibrate.STARTUP_LENS if lens is None else lens))
+    lens = sorted(set(timing.STARTUP_LENS if lens is None else lens))
     start = time.perf_counter()
-    seconds, _ = calibrate.calibrate(
+    seconds, _ = timing.time_table(
         lens,
         lens,
         heads=q_heads,
@@ -130,8 +128,8 @@ def agree_on_table(
         device=device,
         backend=backend,
         fuse_tokens=fuse_tokens,
-        warmup=calibrate.STARTUP_WARMUP if warmup is None else warmup,
-        repeats=calibrate.STARTUP_REPEATS if repeats is None else repeats,
+        warmup=timing.STARTUP_WARMUP if warmup is None else warmup,
+        repeats=timing.STARTUP_REPEATS if repeats is None else repeats,
         log=logger.debug,
     )
     table = torch.tensor(

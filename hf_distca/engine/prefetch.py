@@ -60,7 +60,7 @@ class PlanContext:
             all_pieces,
             q_row_bytes=self.q_heads * self.head_dim * self.elem,
             kv_row_bytes=2 * self.kv_heads * self.head_dim * self.elem,
-            config=self.config,
+            options=self.config.planner_options(),
             cost_model=self.cost_model,
             flops_per_pair=attention_flops_per_pair(self.q_heads, self.head_dim),
             window=self.window,

@@ -26,7 +26,7 @@ import torch
 
 from hf_distca import metrics
 from hf_distca.comm import all_gather_padded, all_gather_rows, collective_device, group_rank_world
-from hf_distca.config import DistCAConfig
+from hf_distca.config import DistCAConfig, cost_model_from_config
 from hf_distca.engine import prefetch
 from hf_distca.engine.consistency import (
     LocalInputs,
@@ -44,7 +44,6 @@ from hf_distca.planning import (
     DispatchIndex,
     MeasuredCost,
     build_dispatch_index,
-    cost_model_from_config,
     forward_flops_per_pair,
 )
 from hf_distca.planning.relay import with_relay

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_distca.config import KERNEL_BACKENDS
 from hf_distca.kernels import cudnn_frontend, flash, reference, torch_varlen
 from hf_distca.kernels.common import (
     ForwardTensors,
@@ -43,6 +42,7 @@ from hf_distca.kernels.sinks import sinks_backward as _sinks_backward
 from hf_distca.kernels.sinks import with_sinks
 
 __all__ = [
+    "KERNEL_BACKENDS",
     "CudnnOptions",
     "ForwardTensors",
     "UnsupportedFeatureError",
@@ -108,11 +108,9 @@ _BACKENDS: dict[str, _Backend] = {
         lambda: True, False, reference.forward, reference.backward, "", softcap=lambda: True
     ),
 }
-# config.KERNEL_BACKENDS is the one list of names: 'auto' first, then every backend best first
-if set(KERNEL_BACKENDS) != {"auto", *_BACKENDS}:
-    raise RuntimeError(
-        f"config.KERNEL_BACKENDS {KERNEL_BACKENDS} and the kernel registry {list(_BACKENDS)} differ"
-    )
+KERNEL_BACKENDS = ("auto", *_BACKENDS)
+"""The one list of kernel backend names (``DistCAConfig.backend``): "auto", then every backend in the order
+"auto" prefers them (the registry's)."""
 
 
 def _usable(name: str, device: torch.device, dtype: torch.dtype) -> bool:

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hf_distca.config import DistCAConfig
 from hf_distca.planning.cost import CausalPairsCost
 from hf_distca.planning.links import Changes, LinkModel, PhaseTimes
+from hf_distca.planning.options import PlannerOptions
 from hf_distca.planning.pieces import DocIndex
 from hf_distca.planning.relay import relay_rank
 from hf_distca.planning.tasks import CATask, key_range_requests
@@ -145,9 +145,9 @@ class Balancer:
     loads and (with a link model or a send bound) its exact traffic; :meth:`balance` moves work."""
 
     def __init__(
-        self, index: DocIndex, cost, config: DistCAConfig, link: LinkModel | None, q_row: int, kv_row: int
+        self, index: DocIndex, cost, options: PlannerOptions, link: LinkModel | None, q_row: int, kv_row: int
     ):
-        self.index, self.cost, self.config, self.link = index, cost, config, link
+        self.index, self.cost, self.options, self.link = index, cost, options, link
         self.window = getattr(cost, "window", None)
         # causal pairs add up over any split of a task: a move changes src and dst by the moved shard's
         # cost; other models (measured time) price a server's merged intervals, see _load_changes
@@ -176,10 +176,10 @@ class Balancer:
         self.loads = np.array([s.load for s in self.servers], dtype=np.float64)  # mirrors each s.load
         # KV through the per-node relay (hf_distca.planning.relay): its bytes are what the link prices and
         # what the send bound holds, priced or not
-        self.relayed = relays(config.kv_relay, config.ranks_per_node, world)
+        self.relayed = relays(options.kv_relay, options.ranks_per_node, world)
         # exact traffic: with a link model (prices moves), or for the send bound alone (free links)
         self.traffic = None
-        if link is not None or config.max_send_bytes_per_rank is not None:
+        if link is not None or options.max_send_bytes_per_rank is not None:
             self.traffic = PhaseTimes(link or FREE_LINKS, world)
             self.traffic.apply(self._initial_traffic())
         self.moves: list[_Move] = []
@@ -191,7 +191,7 @@ class Balancer:
         """Bytes of the start (every server its own pieces): each server's KV prefixes from their holders."""
         kv = [{doc: s.kv(doc, self.window) for doc in s.intervals} for s in self.servers]
         if self.relayed:
-            total = kv_ranges_relay_traffic(kv, self.index, self.kv_row, self.config.ranks_per_node)
+            total = kv_ranges_relay_traffic(kv, self.index, self.kv_row, self.options.ranks_per_node)
         else:
             docs, starts, ends, servers = key_range_requests(kv)
             request, holder, rows = self.index.segment_rows(docs, starts, ends)
@@ -237,7 +237,7 @@ class Balancer:
 
     def priced(self, link: LinkModel) -> Balancer:
         """A balancer from this one's start that prices moves under ``link`` (as
-        ``Balancer(index, cost, config, link, ...)``, without computing the loads again); both share the
+        ``Balancer(index, cost, options, link, ...)``, without computing the loads again); both share the
         servers until a move changes one (copy on write, on both sides). Only before any move."""
         if self.moves:
             raise AssertionError("planner bug: priced() after moves")
@@ -330,7 +330,7 @@ class Balancer:
         ``freed``: a node's rows cross (holder to its relay in the node) once for all its servers, so the
         first stage changes by what the node's union of key ranges gains or loses; the second stage (or a
         holder inside the node, directly) sends each server its own ranges."""
-        n, window = self.config.ranks_per_node, self.window
+        n, window = self.options.ranks_per_node, self.window
 
         def pair(sender: int, receiver: int, nbytes: float) -> None:
             c = INTER if sender // n != receiver // n else INTRA
@@ -462,15 +462,15 @@ class Balancer:
         ``level``, the load each move fills a destination up to instead of the mean). Priced: stops early
         once the exposed transfer already added keeps the critical path above the lowest seen so far (or
         ``give_up_above``)."""
-        servers, config = self.servers, self.config
+        servers, options = self.servers, self.options
         total = sum(s.load for s in servers)
         if len(servers) <= 1 or total <= 0:
             return
         target = total / len(servers)
-        limit = (1.0 + config.balance_tolerance) * target
+        limit = (1.0 + options.balance_tolerance) * target
         if level is not None:
             target, limit = level, max(limit, level)
-        while len(self.moves) < config.max_planner_moves:
+        while len(self.moves) < options.max_planner_moves:
             src = servers[int(np.argmax(self.loads))]  # the most loaded, the lowest rank among equals
             if src.load <= limit:
                 break
@@ -548,7 +548,7 @@ class Balancer:
         want = min(src.load - target, target - dst.load)
         if want <= 0:
             return None, False
-        g, task_cost = self.config.shard_tokens, self.cost.task_cost
+        g, task_cost = self.options.shard_tokens, self.cost.task_cost
         src_load, dst_load = src.load, dst.load
         fitting, overshooting = (
             [],
@@ -627,7 +627,7 @@ class Balancer:
             lacking = ranges_minus([(kv_start(x, self.window), y)], dst.given(doc, self.window))
             kv_in = sum((hi - lo) - self.rows_held(dst.rank, doc, lo, hi) for lo, hi in lacking)
         bytes_in = q_in * q_row + kv_in * kv_row
-        bound = self.config.max_recv_bytes_per_server
+        bound = self.options.max_recv_bytes_per_server
         if bound is not None and dst.recv_bytes + bytes_in > bound:
             return None, False
         comm = bytes_in + q_in * q_row  # outputs travel back
@@ -646,7 +646,7 @@ class Balancer:
         """Exposed transfer time ``changes`` add to the step, in cost units; None when a rank would go over
         the send bound."""
         traffic = self.traffic
-        bound = self.config.max_send_bytes_per_rank
+        bound = self.options.max_send_bytes_per_rank
         if len(changes) >= traffic.MANY:
             added = traffic.exposed_many(changes, bound)
             if added is None:

@@ -35,6 +35,7 @@ from hf_distca.planning.cost import (
     MeasuredCost,
     attention_flops_per_pair,
 )
+from hf_distca.planning.options import PlannerOptions
 from hf_distca.planning.traffic import (
     CARRIES,
     INTER,
@@ -56,7 +57,7 @@ __all__ = [
     "attention_flops_per_pair",
     "hiding_window",
     "layer_seconds_per_token",
-    "link_model_from_config",
+    "link_model_from_options",
     "plan_critical_path",
     "seconds_per_cost_unit",
 ]
@@ -154,32 +155,34 @@ def seconds_per_cost_unit(cost_model: Any, flops_per_pair: float | None, attenti
     return float(per_unit)
 
 
-def link_model_from_config(config: Any, cost_model: Any, flops_per_pair: float | None) -> LinkModel | None:
-    """The link model a :class:`~hf_distca.config.DistCAConfig` asks for; None when communication is
-    not priced (``link_gib_per_s`` None: the balance-only plan)."""
-    if config.link_gib_per_s is None:
+def link_model_from_options(
+    options: PlannerOptions, cost_model: Any, flops_per_pair: float | None
+) -> LinkModel | None:
+    """The link model the planner's ``options`` ask for; None when communication is not priced
+    (``link_gib_per_s`` None: the balance-only plan)."""
+    if options.link_gib_per_s is None:
         return None
-    intra = config.intra_node_gib_per_s
+    intra = options.intra_node_gib_per_s
     return LinkModel(
-        inter_bytes_per_s=config.link_gib_per_s * GIB,
+        inter_bytes_per_s=options.link_gib_per_s * GIB,
         intra_bytes_per_s=math.inf if intra is None else intra * GIB,
-        ranks_per_node=config.ranks_per_node,
-        overlap=config.comm_overlap,
-        seconds_per_cost_unit=seconds_per_cost_unit(cost_model, flops_per_pair, config.attention_tflops),
-        kv_relay=config.kv_relay,
+        ranks_per_node=options.ranks_per_node,
+        overlap=options.comm_overlap,
+        seconds_per_cost_unit=seconds_per_cost_unit(cost_model, flops_per_pair, options.attention_tflops),
+        kv_relay=options.kv_relay,
     )
 
 
 def hiding_window(
     link: LinkModel,
-    config: Any,
+    options: PlannerOptions,
     tokens_per_rank: float,
     mean_cost: float,
     q_row_bytes: int,
     kv_row_bytes: int,
 ) -> LinkModel:
     """``link`` with the work each all-to-all phase flies behind under layer-level ping-pong
-    (``config.layer_seconds_per_token``; ``link`` unchanged when None). In the engine's order
+    (``options.layer_seconds_per_token``; ``link`` unchanged when None). In the engine's order
     (:func:`hf_distca.planning.schedule.layer_ping_pong`) one phase of each pass flies behind the other
     nano-batch's layer work of that pass and the other behind its kernel: a dispatch and a return per pass,
     which one behind which depending on the nano-batch's turn. Taken here the unfavourable way (the larger
@@ -190,7 +193,7 @@ def hiding_window(
     seconds, 1 / FWD_BWD_FLOP_RATIO of it in forward. A phase's share of the transfer time: its bytes per
     row moved as the ledger carries them (:data:`~hf_distca.planning.traffic.CARRIES`), query and KV rows
     counted alike."""
-    per_token = getattr(config, "layer_seconds_per_token", None)
+    per_token = options.layer_seconds_per_token
     if per_token is None:
         return link
     layer = per_token * tokens_per_rank

@@ -40,13 +40,16 @@ import math
 
 import numpy as np
 
-from hf_distca.config import PING_PONG_SPLITS
 from hf_distca.planning.pieces import DocIndex
 from hf_distca.planning.tasks import CATask, CorePlan
 from hf_distca.planning.traffic import PHASES, forward_bytes, phase_bytes
 from hf_distca.planning.window import Ranges, attended_pairs, kv_ranges, kv_start
 
-__all__ = ["BALANCE", "DUPLICATE_GAP", "nano_plans", "split_server_tasks"]
+__all__ = ["BALANCE", "DUPLICATE_GAP", "PING_PONG_SPLITS", "nano_plans", "split_server_tasks"]
+
+PING_PONG_SPLITS = ("local_first", "halves")
+"""How ping-pong splits a micro-batch's core attention (``DistCAConfig.ping_pong_split``; the module
+docstring)."""
 
 BALANCE = 0.05
 """Whole documents are enough when two halves' work differs by at most this share of their work."""
