@@ -50,7 +50,7 @@ from hf_distca.linear.ops import (
     scan_backward,
     scan_forward,
 )
-from hf_distca.linear.simulate import LinkModel, best_blocks, chain_scan_time, fit_link
+from hf_distca.linear.simulate import PointToPointLink, best_blocks, chain_scan_time, fit_link
 
 CHECK_TOL = 2e-2  # max |a - b| / max |b| per tensor: bf16/tf32 kernels against the float64 reference
 
@@ -475,7 +475,7 @@ def section_model(ctx) -> tuple[str, dict]:
 
 
 def section_simulate(ctx) -> tuple[str, dict]:
-    link = ctx.get("link") or LinkModel(
+    link = ctx.get("link") or PointToPointLink(
         latency_s=ctx["args"].link_latency_us * 1e-6, bandwidth_Bps=ctx["args"].link_gibps * 2**30
     )
     dim = 128
@@ -571,11 +571,11 @@ def main(argv=None) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     if world < 2:
         raise SystemExit("run with at least 2 processes (torchrun --nproc-per-node 2 ...)")
-    from hf_distca.linear.ops.local import resolve_backend
+    from hf_distca.linear.ops.local import resolve_linear_backend
 
     # the concrete backend per transition ('auto' on a Hopper GPU with Triton 3.4-3.7.0: chunked for delta)
     resolved = ", ".join(
-        f"{kind}: {resolve_backend(args.backend, device, kind=kind)}"
+        f"{kind}: {resolve_linear_backend(args.backend, device, kind=kind)}"
         for kind in ("const", "vector", "delta", "kda")
     )
     ctx = dict(
