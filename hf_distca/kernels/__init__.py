@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_distca.kernels import cudnn_frontend, flash, reference, torch_varlen
+from hf_distca.kernels import cudnn_backend, cudnn_frontend, flash, reference, torch_varlen
 from hf_distca.kernels.common import (
     ForwardTensors,
     PackedSeqs,
@@ -36,7 +36,7 @@ from hf_distca.kernels.common import (
     check_inputs,
     check_sinks,
 )
-from hf_distca.kernels.cudnn_frontend import CudnnOptions
+from hf_distca.kernels.cudnn_backend import CudnnOptions
 from hf_distca.kernels.reference import reference_varlen_attention
 from hf_distca.kernels.sinks import sinks_backward as _sinks_backward
 from hf_distca.kernels.sinks import with_sinks
@@ -83,8 +83,8 @@ _BACKENDS: dict[str, _Backend] = {
     "cudnn": _Backend(
         cudnn_frontend.available,
         True,
-        cudnn_frontend.forward,
-        cudnn_frontend.backward,
+        cudnn_backend.forward,
+        cudnn_backend.backward,
         "NVIDIA's cudnn-frontend (pip install hf_distca[cudnn]) and a CUDA device",
     ),
     "torch_varlen": _Backend(
