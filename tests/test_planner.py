@@ -9,6 +9,7 @@ of a kernel row that computed that very (document, position) against that docume
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 
 import numpy as np
@@ -27,6 +28,7 @@ from hf_distca.planning import (
     causal_pairs,
 )
 from hf_distca.planning.cost import write_cost_table
+from hf_distca.planning.options import PlannerOptions
 from hf_distca.planning.window import attended_pairs
 
 Q_ROW, KV_ROW = 64, 48  # bytes per token of Q (= output) and of K plus V, as the engine would pass them
@@ -469,6 +471,21 @@ def test_moves_prefer_flops_per_byte():
     moved = [t for t in plan.tasks[1] if t.doc_id != 100]
     assert moved and all(t.doc_id == 0 for t in moved)
     assert plan.imbalance_after <= 1.1
+
+
+def test_planner_options_are_the_configs_fields():
+    """The planner's options keep the config's names, defaults and meanings: DistCAConfig() plans as
+    PlannerOptions() does, and planner_options() copies every field."""
+    assert DistCAConfig().planner_options() == PlannerOptions()
+    config = DistCAConfig(tolerance=None, shard_tokens=16, max_recv_bytes_per_server=1 << 20, ranks_per_node=2,
+                          link_gib_per_s=3.0, intra_node_gib_per_s=30.0, kv_relay=True, comm_overlap=0.5,
+                          attention_tflops=200.0, max_send_bytes_per_rank=1 << 22, max_planner_moves=7,
+                          layer_seconds_per_token=1e-6, layer_ping_pong=True)  # fmt: skip
+    options = config.planner_options()
+    for field in dataclasses.fields(PlannerOptions):
+        assert getattr(options, field.name) == getattr(config, field.name), field.name
+        assert field.default == getattr(DistCAConfig(), field.name), field.name
+    assert options.balance_tolerance == config.balance_tolerance == 0.02  # priced: PRICED_TOLERANCE
 
 
 def test_world_of_one_and_empty_ranks():
