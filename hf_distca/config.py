@@ -197,7 +197,8 @@ class DistCAConfig:
     @property
     def balance_tolerance(self) -> float:
         """The tolerance the planner balances to: ``tolerance``, or for None ``PRICED_TOLERANCE`` when
-        communication is priced (``link_gib_per_s`` set) and ``BALANCE_ONLY_TOLERANCE`` otherwise."""
+        communication is priced (``link_gib_per_s`` set) and ``BALANCE_ONLY_TOLERANCE`` otherwise (both in
+        :mod:`hf_distca.planning.options`, which resolves it)."""
         return self.planner_options().balance_tolerance
 
     def planner_options(self) -> PlannerOptions:
