@@ -7,7 +7,7 @@ rank sent (received) for core attention: dispatch and return in forward, their m
 and any recompute; ``phase_bytes`` the same per phase of the traffic ledger
 (:data:`hf_distca.planning.traffic.PHASES`, as the engine's stages name their exchanges). ``attn_fwd_kernels`` counts core-attention forward kernel runs on this rank (one per
 engine call that has work for this server, one per local call); a rematerialization-aware recompute
-(:mod:`hf_distca.checkpointing`) runs none and counts as ``attn_replays`` instead.
+(:mod:`hf_distca.engine.remat`) runs none and counts as ``attn_replays`` instead.
 """
 
 from __future__ import annotations

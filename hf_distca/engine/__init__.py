@@ -17,7 +17,7 @@ where and the bytes per layer); with ``DistCAConfig.ping_pong`` it runs them on 
 several nano-batches of the data path (:mod:`.interleave`, ``DistCAConfig.layer_ping_pong``) each call is
 cut at its exchanges into three chained autograd nodes instead (:mod:`.layer_op`), so that its exchanges
 fly while the other nano-batch runs its layers, forward and backward. :func:`local_attention` is the same operator
-on one process's own sequences. Both take part in rematerialization-aware checkpointing (:mod:`hf_distca.checkpointing`).
+on one process's own sequences. Both take part in rematerialization-aware checkpointing (:mod:`hf_distca.engine.remat`).
 """
 
 from hf_distca.engine.consistency import InconsistentInputError

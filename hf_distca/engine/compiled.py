@@ -20,7 +20,7 @@ cached; a rebuilt plan is identical) and runs the eager runner's backward.
 Under ``mode="reduce-overhead"`` (CUDA graphs) the ops run between the captured partitions: they carry
 ``torch.Tag.cudagraph_unsafe``.
 
-Rematerialization-aware checkpointing (:mod:`hf_distca.checkpointing`) holds either way: a checkpoint traced
+Rematerialization-aware checkpointing (:mod:`hf_distca.engine.remat`) holds either way: a checkpoint traced
 inside the compiled region keeps these ops' outputs by torch's selective checkpointing; an eager checkpoint
 around a compiled region (each decoder layer compiled) hands the kept results to these ops at run time.
 """
@@ -35,15 +35,14 @@ from typing import Any
 import torch
 
 from hf_distca import metrics
-from hf_distca.checkpointing import keep_for_recompute, take_saved_attention
 from hf_distca.engine.op import LocalRunner, engine_runner
 from hf_distca.engine.prepare import prepare
+from hf_distca.engine.remat import CORE_FWD_OP, LOCAL_FWD_OP, keep_for_recompute, take_saved_attention
 from hf_distca.engine.stages import Kernel
 from hf_distca.kernels import ForwardTensors, VarlenLayout
 from hf_distca.packing import cu_seqlens_from_lengths, packed_document_lengths
 
 __all__ = [
-    "attention_forward_ops",
     "compiled_core_attention",
     "compiled_local_attention",
     "register_layout",
@@ -139,7 +138,7 @@ def _core_runner(q, k, v, token: torch.Tensor, runtime_key: int, scale: float | 
     return runner, prepared
 
 
-@torch.library.custom_op("hf_distca::core_attention_fwd", mutates_args=(), tags=_OUTSIDE_CUDA_GRAPHS)
+@torch.library.custom_op(CORE_FWD_OP, mutates_args=(), tags=_OUTSIDE_CUDA_GRAPHS)
 def _core_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -232,7 +231,7 @@ def _local_runner(q, cu_seq_lens, position_ids, batch: int, scale, backend: str,
     return LocalRunner(VarlenLayout(cu, cu, longest, longest), Kernel(scale, backend), window)
 
 
-@torch.library.custom_op("hf_distca::local_attention_fwd", mutates_args=(), tags=_OUTSIDE_CUDA_GRAPHS)
+@torch.library.custom_op(LOCAL_FWD_OP, mutates_args=(), tags=_OUTSIDE_CUDA_GRAPHS)
 def _local_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -316,8 +315,3 @@ def compiled_local_attention(
     q: (B * S, Hq, D); k, v: (B * S, Hkv, D). Returns (B * S, Hq, D), differentiable w.r.t. q, k and v."""
     out, _ = _local_fwd(q, k, v, cu_seq_lens, position_ids, batch, scale, backend, window)
     return out
-
-
-def attention_forward_ops() -> tuple[Any, ...]:
-    """The forward custom ops (whose outputs rematerialization-aware checkpointing keeps under compile)."""
-    return (torch.ops.hf_distca.core_attention_fwd.default, torch.ops.hf_distca.local_attention_fwd.default)

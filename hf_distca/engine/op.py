@@ -24,7 +24,7 @@ rank serves, both ~T after balancing; Hq/Hkv heads, D head_dim, b bytes per elem
 - the owner's q, k, v and output (``save_for_backward``): T x (2 Hq + 2 Hkv) x D x b — what any
   attention implementation keeps; under activation checkpointing these are dropped and refilled by the
   recompute, except the output, which rematerialization-aware checkpointing keeps (T x Hq x D x b) so
-  that attention is not recomputed (:mod:`hf_distca.checkpointing`);
+  that attention is not recomputed (:mod:`hf_distca.engine.remat`);
 - the server's log-sum-exp (an attribute, in its kernel row order): Tk x Hq x 4 bytes;
 - nothing else: the server frees the q/k/v rows it received once its forward kernel has run.
 Transient, within one stage: the server's pools (its rows plus the received ones) and their kernel-order
@@ -51,12 +51,12 @@ from typing import Any
 import torch
 
 from hf_distca import metrics
-from hf_distca.checkpointing import SavedAttention, keep_for_recompute, take_saved_attention
 from hf_distca.config import DistCAConfig
 from hf_distca.engine import interleave, stages
 from hf_distca.engine.layer_op import interleaved_core_attention
 from hf_distca.engine.nano import NanoSplit, nano_batches, whole
 from hf_distca.engine.prepare import PreparedAttention, prepare
+from hf_distca.engine.remat import SavedAttention, keep_for_recompute, take_saved_attention
 from hf_distca.engine.stages import Kernel, stage_range
 from hf_distca.kernels import ForwardTensors, VarlenLayout
 
