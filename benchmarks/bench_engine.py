@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import init_nccl, median_ms  # noqa: E402
 
 from hf_distca import DistCAConfig, core_attention, local_attention, metrics  # noqa: E402
-from hf_distca.engine import clear_plan_cache  # noqa: E402
+from hf_distca.engine import engine_state  # noqa: E402
 from hf_distca.planning import plan_core_attention  # noqa: E402
 
 BF16_TOL = 2e-2  # max |a - b| / max |b|, bf16 vs bf16 with different summation orders
@@ -92,7 +92,7 @@ def main() -> int:
     ref_grads = [t.grad.clone() for t in (q, k, v)]
     for t in (q, k, v):
         t.grad = None
-    clear_plan_cache()
+    engine_state().reset()
     metrics.reset()
     out = core_attention(q, k, v, pieces, config=config, all_pieces=layout)
     out.backward(dout)

@@ -272,7 +272,7 @@ class ModelShape:
     @property
     def layer_weights(self) -> int:
         """Weights of one decoder layer's matmuls: attention projections and MLP (as
-        hf_distca.attention.decoder_layer_weights counts them on a model)."""
+        hf_distca.engine.pricing.decoder_layer_weights counts them on a model)."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         return self.hidden * (2 * q + 2 * kv) + 3 * self.hidden * self.intermediate
 

@@ -65,7 +65,8 @@ class DistCAConfig:
     """What the planner balances. ``"auto"`` (the default): on CUDA tensors, measured kernel time: the
     table shipped in :mod:`hf_distca.cost_tables` for this GPU model, dtype, head shape and resolved kernel
     backend when there is one (1 x H200, bf16, 32/8 heads x 128, cudnn and torch_varlen), else one measured
-    at the first engine call on the training GPUs (a reduced grid: 3-7 s on an H200 at 32/8 x 128; see
+    before the first engine call on the training GPUs (by :func:`hf_distca.engine.probe`, which
+    :func:`hf_distca.enable_distca` runs; a reduced grid: 3-7 s on an H200 at 32/8 x 128; see
     :mod:`hf_distca.engine.cost_probe`; every rank plans with the ranks' mean); causal (query, key) pairs
     on the CPU, on one process without a shipped table, and with the reference kernel. A path: the measured
     CA-task time table in that JSON file (written by ``python -m hf_distca.calibrate --out PATH`` on the
@@ -144,7 +145,8 @@ class DistCAConfig:
     None: unbounded."""
 
     measure_link: bool = False
-    """With ``link_gib_per_s`` None: measure it at the first engine call on each process group (a warm-up
+    """With ``link_gib_per_s`` None: measure it once per process group before the first engine call
+    (:func:`hf_distca.engine.probe`, which :func:`hf_distca.enable_distca` runs; a warm-up
     and a timed all-to-all of 8 MiB per rank to the ranks in other nodes, or all others, then an
     all-reduce so that every rank plans with the slowest rank's figure) and price communication with it.
     Plans then depend on a measurement: runs can differ in their plans, never in their results."""
@@ -180,7 +182,7 @@ class DistCAConfig:
     """Plan each micro-batch in a background process while the one before it computes, so that planning
     leaves the training step's critical path (the planner is pure Python: seconds per step at hundreds of
     servers with priced links). The data path of ``DistCACallback`` / ``DistCABatches`` hands each coming
-    micro-batch's layouts to :func:`hf_distca.engine.prefetch.prefetch_plans`, which plans them in every
+    micro-batch's layouts to :meth:`hf_distca.engine.prefetch.Prefetcher.prefetch_plans`, which plans them in every
     context the engine planned in so far (head shape, window, cost model); the engine takes those plans
     (the same plans: planning is deterministic) instead of planning. Costs one extra process per rank
     (started with the trainer, or the loader's iteration). Off: each micro-batch is planned at its first

@@ -24,7 +24,7 @@ from test_engine_remat import check_remat_case, remat_case
 
 from hf_distca import DistCAConfig, PieceError, core_attention, metrics, plan_core_attention
 from hf_distca import engine as eng
-from hf_distca.engine import clear_plan_cache
+from hf_distca.engine import engine_state
 from hf_distca.kernels import ForwardTensors, reference_varlen_attention
 from hf_distca.planning import attention_flops_per_pair, build_dispatch_index, forward_flops_per_pair, traffic
 from hf_distca.planning.nano import nano_plans
@@ -46,7 +46,7 @@ def _attention_case(rank: int, case: dict) -> dict:
     rows = torch.as_tensor(layout.rows(rank))
     q, k, v = (t[rows].clone().requires_grad_(True) for t in (q_all, k_all, v_all))
     all_pieces = case.get("all_pieces", {}).get(rank)
-    clear_plan_cache()
+    engine_state().reset()
     metrics.reset()
     saved_bytes: list[int] = []  # what autograd keeps from forward to backward, per call
 

@@ -214,7 +214,7 @@ def _run(q, k, v, w, layout: Layout, rank: int, config: DistCAConfig) -> dict:
 def _attention_case(rank: int, case: dict) -> dict:
     layout: Layout = case["layout"]
     q, k, v, w = _qkv(layout, rank, case)
-    eng.clear_plan_cache()
+    eng.engine_state().reset()
     cfg = case["config"]
     serial = _run(q, k, v, w, layout, rank, DistCAConfig(**{**vars(cfg), "ping_pong": False}))
     pp = _run(q, k, v, w, layout, rank, cfg)

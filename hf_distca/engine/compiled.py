@@ -27,9 +27,7 @@ around a compiled region (each decoder layer compiled) hands the kept results to
 
 from __future__ import annotations
 
-import itertools
 import weakref
-from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -39,6 +37,7 @@ from hf_distca.engine.op import LocalRunner, engine_runner
 from hf_distca.engine.prepare import prepare
 from hf_distca.engine.remat import CORE_FWD_OP, LOCAL_FWD_OP, keep_for_recompute, take_saved_attention
 from hf_distca.engine.stages import Kernel
+from hf_distca.engine.state import RUNNER_CACHE_SIZE, engine_state
 from hf_distca.kernels import ForwardTensors, VarlenLayout
 from hf_distca.packing import cu_seqlens_from_lengths, packed_document_lengths
 
@@ -53,26 +52,21 @@ __all__ = [
 # Inductor's graph partitioning (on by default since torch 2.9) splits a mode="reduce-overhead" graph around
 # ops tagged so, and replays only the partitions between them.
 _OUTSIDE_CUDA_GRAPHS = (torch.Tag.cudagraph_unsafe,)
-_keys = itertools.count(1)
-_layouts: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
-_runtimes: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
-_RUNNER_CACHE_SIZE = 16
-_runners: OrderedDict[tuple, tuple[Any, Any]] = OrderedDict()
 
 
 def register_layout(layout: Any) -> torch.Tensor:
     """A 0-d int64 CPU tensor naming ``layout`` (an object with ``pieces`` and ``all_pieces``) for the
-    compiled ops; the layout is held weakly: keep it alive until its backward has run (the batch does)."""
-    key = next(_keys)
-    _layouts[key] = layout
-    return torch.tensor(key, dtype=torch.int64)
+    compiled ops, in the process's engine state; the layout is held weakly: keep it alive until its
+    backward has run (the batch does)."""
+    state = engine_state()
+    return torch.tensor(state.name(layout, state.layouts), dtype=torch.int64)
 
 
 def register_runtime(runtime: Any) -> int:
-    """The integer key of ``runtime`` (a :class:`hf_distca.attention.DistCARuntime`), held weakly."""
-    key = next(_keys)
-    _runtimes[key] = runtime
-    return key
+    """The integer key of ``runtime`` (a :class:`hf_distca.attention.DistCARuntime`: ``group``, ``config``
+    and its engine ``state``) in the process's engine state, held weakly."""
+    state = engine_state()
+    return state.name(runtime, state.runtimes)
 
 
 def _lse_dtype(q: torch.Tensor) -> torch.dtype:
@@ -121,20 +115,22 @@ def _core_runner(q, k, v, token: torch.Tensor, runtime_key: int, scale: float | 
     shapes (a model's local and global layers share the layout, not the plan)."""
     layout_key = int(token)
     key = (layout_key, runtime_key, scale, window, tuple(q.shape), tuple(k.shape), q.dtype, str(q.device))
-    hit = _runners.get(key)
+    names = engine_state()
+    runtime = _lookup(names.runtimes, runtime_key, "runtime")
+    runners = runtime.state.runners
+    hit = runners.get(key)
     if hit is not None:
-        _runners.move_to_end(key)
+        runners.move_to_end(key)
         return hit
-    layout = _lookup(_layouts, layout_key, "layout")
-    runtime = _lookup(_runtimes, runtime_key, "runtime")
+    layout = _lookup(names.layouts, layout_key, "layout")
     prepared = prepare(q, k, v, layout.pieces, group=runtime.group, config=runtime.config,
-                       all_pieces=layout.all_pieces, window=window)  # fmt: skip
+                       all_pieces=layout.all_pieces, window=window, state=runtime.state)  # fmt: skip
     runner = engine_runner(
         prepared, group=runtime.group, config=runtime.config, scale=scale, on_cuda=q.is_cuda
     )
-    _runners[key] = (runner, prepared)
-    if len(_runners) > _RUNNER_CACHE_SIZE:
-        _runners.popitem(last=False)
+    runners[key] = (runner, prepared)
+    if len(runners) > RUNNER_CACHE_SIZE:
+        runners.popitem(last=False)
     return runner, prepared
 
 

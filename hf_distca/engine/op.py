@@ -58,6 +58,7 @@ from hf_distca.engine.nano import NanoSplit, nano_batches, whole
 from hf_distca.engine.prepare import PreparedAttention, prepare
 from hf_distca.engine.remat import SavedAttention, keep_for_recompute, take_saved_attention
 from hf_distca.engine.stages import Kernel, stage_range
+from hf_distca.engine.state import EngineState
 from hf_distca.kernels import ForwardTensors, VarlenLayout
 
 
@@ -248,6 +249,7 @@ def core_attention(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    state: EngineState | None = None,
 ) -> torch.Tensor:
     """Causal per-document attention of this rank's queries, computed by balanced attention servers.
 
@@ -264,6 +266,8 @@ def core_attention(
     sinks: (H_q,) attention-sink logits (gpt-oss), equal on every rank; the servers apply them to the rows
     they compute and each rank's gradient of them is its server's share (the sum over ranks, as data
     parallelism sums parameter gradients, is the gradient).
+    state: the engine state whose caches and probe results it uses (None: the process's,
+    :func:`hf_distca.engine.state.engine_state`; a model's runtime passes its own).
     Returns (T_local, H_q, D), differentiable w.r.t. q, k, v (and sinks). Inside a rematerialization-aware
     checkpoint recompute, returns the output kept from the forward (no planning, no communication).
     """
@@ -271,7 +275,9 @@ def core_attention(
     if saved is not None:
         return _replay(q, k, v, saved, sinks)
     config = config or DistCAConfig()
-    prepared = prepare(q, k, v, pieces, group=group, config=config, all_pieces=all_pieces, window=window)
+    prepared = prepare(
+        q, k, v, pieces, group=group, config=config, all_pieces=all_pieces, window=window, state=state
+    )
     metrics.record_call(prepared.flops_before, prepared.flops_after)
     here = interleave.current()
     if here is not None:  # a nano-batch of an interleaved forward: its exchanges around the other's work
