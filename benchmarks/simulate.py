@@ -22,7 +22,7 @@ bandwidth per GPU) and prices every rank's work:
   the planner prices transfers as hidden behind the other nano-batch's layers),
   ``distca-pingpong`` / ``distca-comm-pingpong`` (those plans under attention-level ping-pong,
   ``DistCAConfig(ping_pong=True)``: the engine's nano-batches inside each attention call,
-  hf_distca.planning.nano) and ``distca-layers`` / ``distca-comm-layers`` (layer-level ping-pong: the
+  hf_distca.planning.ping_pong) and ``distca-layers`` / ``distca-comm-layers`` (layer-level ping-pong: the
   micro-batch's whole documents in two nano-batches of about equal estimated cost, each laid out over all
   ranks at its own tokens per rank (the fewest that hold it) and planned on its own, as the data path does:
   :func:`hf_distca.data.nano.split_documents` and :func:`~hf_distca.data.nano.nano_tokens_per_rank`; a
@@ -116,7 +116,7 @@ from hf_distca.planning import MeasuredCost, plan_core_attention
 from hf_distca.planning import schedule as schedule_ops
 from hf_distca.planning.cost import causal_pairs, cost_model_from_config
 from hf_distca.planning.links import LAYER_FORWARD_SHARE, attention_flops_per_pair, layer_seconds_per_token
-from hf_distca.planning.nano import nano_plans
+from hf_distca.planning.ping_pong import part_plans
 from hf_distca.planning.relay import relay_kv_bytes
 from hf_distca.planning.traffic import (
     INTER,
@@ -651,7 +651,7 @@ def price_plans(
         compute[("head", "fwd", n, 0)] = tokens * s.linear.per_token_fixed
         parts = [plan]
         if schedule == "attention" and any(plan.bytes_sent) and world > 1:  # as engine_runner
-            parts = nano_plans(plan, config.shard_tokens, split or config.ping_pong_split)
+            parts = part_plans(plan, config.shard_tokens, split or config.ping_pong_split)
         nparts = len(parts)
         for j, part in enumerate(parts):
             fwd, fwd_bwd = np.zeros(world), np.zeros(world)

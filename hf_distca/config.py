@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 # The one list of kernel backend names: "auto", then every backend in the order "auto" prefers them.
 KERNEL_BACKENDS = ("auto", "cudnn", "torch_varlen", "flash_attn", "reference")
-# How ping-pong splits a micro-batch's core attention (see hf_distca.planning.nano).
+# How ping-pong splits a micro-batch's core attention (see hf_distca.planning.ping_pong).
 PING_PONG_SPLITS = ("local_first", "halves")
 # DistCAConfig fields that change how a plan is run or checked, never the plan itself.
 RUN_ONLY_FIELDS = (
@@ -157,7 +157,7 @@ class DistCAConfig:
     of hanging or planning differently. One small collective per micro-batch; must be equal on all ranks."""
 
     ping_pong: bool | None = False
-    """Split each micro-batch's core attention into two nano-batches whose exchanges run asynchronously
+    """Split each micro-batch's core attention into ping-pong parts whose exchanges run asynchronously
     while the other one's server kernel runs, in forward and backward (same results). True: always (on
     the CPU it runs the same schedule over gloo); None: on for CUDA tensors, off elsewhere; False (the
     default until its CUDA schedule has been checked over NCCL and measured on 2+ GPUs): never. Only calls
@@ -166,7 +166,7 @@ class DistCAConfig:
     ping_pong_split: str = "local_first"
     """How ping-pong splits each server's work, one of PING_PONG_SPLITS: 'local_first': the work that
     needs no exchange in two halves around the work that does (whose exchanges fly during those halves);
-    'halves': two nano-batches of equal work, each with its own exchanges (the first one's dispatch and
+    'halves': two parts of equal work, each with its own exchanges (the first one's dispatch and
     the second one's return are not hidden)."""
 
     layer_ping_pong: bool = False

@@ -27,7 +27,7 @@ from hf_distca import engine as eng
 from hf_distca.engine import engine_state
 from hf_distca.kernels import ForwardTensors, reference_varlen_attention
 from hf_distca.planning import attention_flops_per_pair, build_dispatch_index, forward_flops_per_pair, traffic
-from hf_distca.planning.nano import nano_plans
+from hf_distca.planning.ping_pong import part_plans
 from hf_distca.planning.relay import relay_kv_bytes
 
 D = 8
@@ -282,7 +282,7 @@ def _check_attention_case(case: dict, per_rank: list[dict], world: int) -> dict:
             assert_close(got, want[rows], case["dtype"], f"{label} rank {rank} {name}")
         cfg = case["config"]
         if cfg.ping_pong:  # nano-batches cut the plan's tasks: oracle, and each part's bytes the ledger's
-            parts = nano_plans(plan, cfg.shard_tokens, cfg.ping_pong_split)
+            parts = part_plans(plan, cfg.shard_tokens, cfg.ping_pong_split)
             relay = cfg.ranks_per_node if cfg.kv_relay else None
             ledger = sum(traffic.plan_bytes(part, relay) for part in parts)
             assert nonzero(res["total"].phase_bytes) == phase_counts(ledger, rank, 1, 1), label

@@ -39,11 +39,11 @@ from test_engine_remat import LAYERS, MODES, assert_grads_close, check_modes, ru
 from hf_distca import DistCAConfig, core_attention, metrics, plan_core_attention
 from hf_distca import engine as eng
 from hf_distca.comm import signal_only
-from hf_distca.engine.nano import nano_batches
+from hf_distca.engine.ping_pong import ping_pong_parts
 from hf_distca.engine.prepare import PreparedAttention
 from hf_distca.kernels import reference_varlen_attention
 from hf_distca.planning import CATask, DocIndex, build_dispatch_index, causal_pairs, traffic
-from hf_distca.planning.nano import BALANCE, DUPLICATE_GAP, split_server_tasks
+from hf_distca.planning.ping_pong import BALANCE, DUPLICATE_GAP, split_server_tasks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 D = 8
@@ -146,7 +146,7 @@ def test_ping_pong_split_layouts_and_indices(world):
             for shard, split in ((8, "halves"), (16, "halves"), (8, "local_first")):
                 config = DistCAConfig(shard_tokens=shard, tolerance=0.1)
                 plan = plan_core_attention(layout.pieces, q_row_bytes=32, kv_row_bytes=64, config=config)
-                splits = [nano_batches(_prepared(plan, r, 4, 2), shard, split) for r in range(world)]
+                splits = [ping_pong_parts(_prepared(plan, r, 4, 2), shard, split) for r in range(world)]
                 label = f"{layout.name}/seed {seed}/shard {shard}/{split}"
                 for server, tasks in enumerate(plan.tasks):
                     parts = [part.plan.tasks[server] for part in splits[0].parts]
@@ -229,7 +229,7 @@ def _parts(prep, rank: int, cfg: DistCAConfig) -> list[dict]:
     if not prep.communicates:
         return []
     parts = []
-    for part in nano_batches(prep, cfg.shard_tokens, cfg.ping_pong_split).parts:
+    for part in ping_pong_parts(prep, cfg.shard_tokens, cfg.ping_pong_split).parts:
         ix = part.index
         parts.append({
             "tasks": part.plan.tasks, "sent": part.plan.bytes_sent[rank], "received": part.plan.bytes_received[rank],

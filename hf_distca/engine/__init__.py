@@ -14,8 +14,8 @@ Stages, each callable on its own (an overlap schedule can interleave them):
   over every task that read them).
 
 :func:`core_attention` chains them in one autograd operator (:mod:`.op`, which also says what is kept
-where and the bytes per layer); with ``DistCAConfig.ping_pong`` it runs them on nano-batches
-(:mod:`.nano`) whose exchanges overlap the other nano-batches' kernels. Under an interleaved forward of
+where and the bytes per layer); with ``DistCAConfig.ping_pong`` it runs them on ping-pong
+parts (:mod:`.ping_pong`) whose exchanges overlap the other parts' kernels. Under an interleaved forward of
 several nano-batches of the data path (:mod:`.interleave`, ``DistCAConfig.layer_ping_pong``) each call is
 cut at its exchanges into three chained autograd nodes instead (:mod:`.layer_op`), so that its exchanges
 fly while the other nano-batch runs its layers, forward and backward. :func:`local_attention` is the same operator
@@ -25,8 +25,8 @@ with one reset. Both take part in rematerialization-aware checkpointing (:mod:`h
 """
 
 from hf_distca.engine.consistency import InconsistentInputError
-from hf_distca.engine.nano import NanoSplit, nano_batches, whole
 from hf_distca.engine.op import LocalRunner, PingPongRunner, core_attention, local_attention
+from hf_distca.engine.ping_pong import PartSplit, ping_pong_parts, whole
 from hf_distca.engine.prepare import PreparedAttention, prepare
 from hf_distca.engine.probe import probe
 from hf_distca.engine.stages import (
@@ -49,7 +49,7 @@ __all__ = [
     "InconsistentInputError",
     "Kernel",
     "LocalRunner",
-    "NanoSplit",
+    "PartSplit",
     "PingPongRunner",
     "PreparedAttention",
     "compute",
@@ -61,7 +61,7 @@ __all__ = [
     "gather_grads",
     "gather_outputs",
     "local_attention",
-    "nano_batches",
+    "ping_pong_parts",
     "prepare",
     "probe",
     "return_grads",

@@ -5,8 +5,8 @@ documents) both run through :class:`_AttentionOp`; they differ only in the runne
 
 - :class:`PingPongRunner`: forward = dispatch -> compute -> return_outputs -> gather_outputs; backward =
   dispatch_backward -> compute_backward -> return_grads -> gather_grads (see :mod:`.stages`), on the
-  nano-batches of the micro-batch (:mod:`.nano`; ``DistCAConfig.ping_pong``), interleaved so that one
-  nano-batch's exchanges fly while another's kernel runs, in forward and backward; without ping-pong on
+  ping-pong parts of the micro-batch (:mod:`.ping_pong`; ``DistCAConfig.ping_pong``), interleaved so that one
+  part's exchanges fly while another's kernel runs, in forward and backward; without ping-pong on
   the micro-batch as one part, the stages one after the other.
 - :class:`LocalRunner`: the kernel's forward and backward on this process's own rows.
 
@@ -14,8 +14,8 @@ Inside an interleaved forward (layer-level ping-pong, :mod:`.interleave`) :func:
 same stages as three chained autograd nodes instead (:mod:`.layer_op`), switching to the other nano-batch
 after each exchange starts.
 
-Every stage a runner runs is a profiler range named ``distca.<fwd|bwd>.<stage>[.<nano-batch>]`` (stages:
-dispatch, wait_dispatch, compute, return, wait_return; no nano-batch number with one part), so a
+Every stage a runner runs is a profiler range named ``distca.<fwd|bwd>.<stage>[.<part>]`` (stages:
+dispatch, wait_dispatch, compute, return, wait_return; no part number with one part), so a
 ``torch.profiler`` trace shows the schedule (benchmarks/bench_ping_pong.py summarises it per layer).
 
 What is kept from forward to backward, per layer and rank (T: local rows, Tk: rows of the tasks this
@@ -36,10 +36,10 @@ Bytes per layer: what each of the four exchanges carries is written once, in the
 and dq, dk, dv back in backward). Summed over ranks that is what plain activation recompute cost with an
 engine that kept the received rows until backward, and one forward's exchanges less than plain recompute
 with this engine. Rematerialization-aware checkpointing adds nothing.
-Ping-pong sends the same Q rows, outputs and gradients, and a KV row once per nano-batch that reads
+Ping-pong sends the same Q rows, outputs and gradients, and a KV row once per part that reads
 it: the same bytes with the default split; with ``ping_pong_split="halves"`` more only for a document
-whose tasks on one server are cut between the two nano-batches (see :mod:`.nano`). The server's
-log-sum-exp is kept per nano-batch (the same rows in all).
+whose tasks on one server are cut between the two parts (see :mod:`.ping_pong`). The server's
+log-sum-exp is kept per part (the same rows in all).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from hf_distca import metrics
 from hf_distca.config import DistCAConfig
 from hf_distca.engine import interleave, stages
 from hf_distca.engine.layer_op import interleaved_core_attention
-from hf_distca.engine.nano import NanoSplit, nano_batches, whole
+from hf_distca.engine.ping_pong import PartSplit, ping_pong_parts, whole
 from hf_distca.engine.prepare import PreparedAttention, prepare
 from hf_distca.engine.remat import SavedAttention, keep_for_recompute, take_saved_attention
 from hf_distca.engine.stages import Kernel, stage_range
@@ -68,7 +68,7 @@ def _wait(exchange) -> torch.Tensor | None:
 
 @dataclass(frozen=True)
 class PingPongRunner:
-    """Balanced core attention of one micro-batch as nano-batches (:mod:`.nano`: with ping-pong's default
+    """Balanced core attention of one micro-batch as ping-pong parts (:mod:`.ping_pong`: with ping-pong's default
     split, the work needing no exchange in two halves around the work that does; without ping-pong one
     part, the serial schedule) whose exchanges are asynchronous and interleave with the other parts'
     server kernels (all ranks call together).
@@ -82,7 +82,7 @@ class PingPongRunner:
     other. Stage names carry the part's number (``fwd.dispatch.0``), except with one part
     (``fwd.dispatch``)."""
 
-    split: NanoSplit
+    split: PartSplit
     group: Any
     kernel: Kernel
     """How the server kernels run (scale, backend, logit softcap)."""
@@ -298,11 +298,11 @@ def engine_runner(
     on_cuda: bool,
     softcap: float | None = None,
 ) -> PingPongRunner:
-    """The runner of one prepared micro-batch: ping-pong nano-batches when ``config.ping_pong`` asks for
+    """The runner of one prepared micro-batch: ping-pong parts when ``config.ping_pong`` asks for
     them (None: on CUDA tensors) and the plan communicates, else the micro-batch as one part (serial)."""
     ping_pong = config.ping_pong if config.ping_pong is not None else on_cuda
     if ping_pong and prepared.communicates:  # every rank decides alike: same config, same plan
-        split = nano_batches(prepared, config.shard_tokens, config.ping_pong_split)
+        split = ping_pong_parts(prepared, config.shard_tokens, config.ping_pong_split)
     else:
         split = whole(prepared)
     return PingPongRunner(split, group, Kernel(scale, config.backend, softcap))

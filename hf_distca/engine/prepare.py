@@ -87,8 +87,8 @@ class PreparedAttention:
     """Per server, forward core-attention FLOPs of one call without balancing (each rank its own pieces)."""
     flops_after: list[float]
     """Per server, forward FLOPs of one call as planned."""
-    nano_splits: dict[tuple[int, str], Any] = field(default_factory=dict)
-    """Its ping-pong nano-batches by (shard_tokens, split), cached by :func:`hf_distca.engine.nano.nano_batches`."""
+    part_splits: dict[tuple[int, str], Any] = field(default_factory=dict)
+    """Its ping-pong parts by (shard_tokens, split), cached by :func:`hf_distca.engine.ping_pong.nano_batches`."""
     _on_device: dict[str, DeviceIndex] = field(default_factory=dict)
 
     @property

@@ -248,7 +248,7 @@ def gather_outputs(
     prep: PreparedAttention, out_kernel: torch.Tensor, returned: torch.Tensor | None
 ) -> torch.Tensor:
     """This rank's outputs in local row order, (T_local, Hq, D), from its kernel rows and the returned rows
-    (of one nano-batch: its rows only, in local order)."""
+    (of one ping-pong part: its rows only, in local order)."""
     (pool,) = _pools([out_kernel], None if returned is None else [returned], [[prep.index.out_recv_counts]])
     return pool.index_select(0, prep.device_index(out_kernel.device).out_gather)
 
@@ -383,8 +383,8 @@ def gather_grads(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of this rank's rows in local order: own shares plus the returned ones (dk/dv of a row
     read by several servers summed). dq covers the rows whose queries ``prep`` computes (all local rows,
-    or one nano-batch's); dk/dv cover every local row, in ``kv_dtype`` (None: the accumulation dtype,
-    float32 for half-precision inputs, so that the shares of several nano-batches sum before rounding)."""
+    or one part's); dk/dv cover every local row, in ``kv_dtype`` (None: the accumulation dtype,
+    float32 for half-precision inputs, so that the shares of several parts sum before rounding)."""
     ix, dev = prep.index, prep.device_index(pending.dq_kernel.device)
     dk, dv = pending.dk_local, pending.dv_local
     kv_dtype = kv_dtype or dk.dtype
