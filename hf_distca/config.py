@@ -115,7 +115,7 @@ class DistCAConfig:
     the work it flies behind)``: this x the nano-batch's tokens per rank (a quarter in forward) or its mean
     core-attention seconds per server (the other nano-batch's work, taken equal to this one's: the split,
     :func:`hf_distca.data.nano.split_documents`, gives them about equal estimated cost); see
-    :func:`hf_distca.planning.links.hiding_window`. On an H200 with a Llama-3-8B-shaped layer
+    :func:`hf_distca.planning.links.with_hiding_work`. On an H200 with a Llama-3-8B-shaped layer
     (hidden 4096, MLP 14336) ~4e-6 (benchmarks/simulate.py's fit of DESIGN.md's measurements). None
     (the default): :func:`hf_distca.enable_distca` (which ``DistCACallback`` calls) derives it from the
     model's decoder layer, its weights at ``layer_tflops``

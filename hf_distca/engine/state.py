@@ -23,7 +23,7 @@ from hf_distca.engine.prefetch import Prefetcher
 __all__ = ["EngineState", "GroupKey", "engine_state", "group_key"]
 
 PLAN_CACHE_SIZE = 8
-"""Prepared micro-batches kept (the layers of one micro-batch, its nano-batches and window sizes hit)."""
+"""Prepared micro-batches kept (the layers of one micro-batch hit: its nano-batches, its sliding windows)."""
 CHECKED_LAYOUTS = 16
 """Layout objects remembered as checked across ranks."""
 RUNNER_CACHE_SIZE = 16
