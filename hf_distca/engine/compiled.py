@@ -38,7 +38,7 @@ from hf_distca.engine.prepare import prepare
 from hf_distca.engine.remat import CORE_FWD_OP, LOCAL_FWD_OP, keep_for_recompute, take_saved_attention
 from hf_distca.engine.stages import Kernel
 from hf_distca.engine.state import RUNNER_CACHE_SIZE, engine_state
-from hf_distca.kernels import ForwardTensors, VarlenLayout
+from hf_distca.kernels import ForwardTensors, VarlenOffsets
 from hf_distca.packing import cu_seqlens_from_lengths, packed_document_lengths
 
 __all__ = [
@@ -224,7 +224,7 @@ def _local_runner(q, cu_seq_lens, position_ids, batch: int, scale, backend: str,
     )
     longest = max(lengths, default=0)
     cu = cu_seqlens_from_lengths(lengths, device=torch.device("cpu"))
-    return LocalRunner(VarlenLayout(cu, cu, longest, longest), Kernel(scale, backend), window)
+    return LocalRunner(VarlenOffsets(cu, cu, longest, longest), Kernel(scale, backend), window)
 
 
 @torch.library.custom_op(LOCAL_FWD_OP, mutates_args=(), tags=_OUTSIDE_CUDA_GRAPHS)

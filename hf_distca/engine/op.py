@@ -59,7 +59,7 @@ from hf_distca.engine.prepare import PreparedAttention, prepare
 from hf_distca.engine.remat import SavedAttention, keep_for_recompute, take_saved_attention
 from hf_distca.engine.stages import Kernel, stage_range
 from hf_distca.engine.state import EngineState
-from hf_distca.kernels import ForwardTensors, VarlenLayout
+from hf_distca.kernels import ForwardTensors, VarlenOffsets
 
 
 def _wait(exchange) -> torch.Tensor | None:
@@ -188,7 +188,7 @@ class PingPongRunner:
 class LocalRunner:
     """Causal attention of this process's own sequences (no communication)."""
 
-    layout: VarlenLayout
+    offsets: VarlenOffsets
     kernel: Kernel
     window: int | None = None
 
@@ -197,12 +197,12 @@ class LocalRunner:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if q.shape[0]:
             metrics.record_forward_kernel()
-        return self.kernel.forward(q, k, v, self.layout, self.window, sinks)
+        return self.kernel.forward(q, k, v, self.offsets, self.window, sinks)
 
     def backward(
         self, fwd: ForwardTensors, dout: torch.Tensor, sinks: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        return self.kernel.backward(fwd, dout.contiguous(), self.layout, self.window, sinks)
+        return self.kernel.backward(fwd, dout.contiguous(), self.offsets, self.window, sinks)
 
 
 class _AttentionOp(torch.autograd.Function):
@@ -329,6 +329,6 @@ def local_attention(
     saved = take_saved_attention(q.shape[0])
     if saved is not None:
         return _replay(q, k, v, saved, sinks)
-    layout = VarlenLayout(cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
-    runner = LocalRunner(layout, Kernel(scale, backend, softcap), window)
+    offsets = VarlenOffsets(cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
+    runner = LocalRunner(offsets, Kernel(scale, backend, softcap), window)
     return _AttentionOp.apply(q, k, v, runner, None, sinks)

@@ -46,7 +46,7 @@ from hf_distca.engine.state import (
     engine_state,
     group_key,
 )
-from hf_distca.kernels import VarlenLayout
+from hf_distca.kernels import VarlenOffsets
 from hf_distca.planning import (
     CorePlan,
     DispatchIndex,
@@ -95,9 +95,9 @@ class PreparedAttention:
     def rank(self) -> int:
         return self.index.rank
 
-    def kernel_seqs(self) -> VarlenLayout:
-        """The server kernel's packed layout."""
-        return VarlenLayout(
+    def kernel_seqs(self) -> VarlenOffsets:
+        """The offsets of the server kernel's packed sequences."""
+        return VarlenOffsets(
             self.cu_seqlens_q, self.cu_seqlens_k, self.index.max_seqlen_q, self.index.max_seqlen_k
         )
 

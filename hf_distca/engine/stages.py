@@ -37,7 +37,7 @@ from hf_distca.comm import Chain, Exchange, all_to_all_v, chain
 from hf_distca.engine.prepare import PreparedAttention
 from hf_distca.kernels import (
     ForwardTensors,
-    VarlenLayout,
+    VarlenOffsets,
     attention_backward,
     attention_forward,
     sinks_backward,
@@ -66,16 +66,16 @@ class Kernel:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        layout: VarlenLayout,
+        offsets: VarlenOffsets,
         window: int | None,
         sinks: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(out, lse) of :func:`hf_distca.kernels.attention_forward` over ``layout`` (``sinks``: applied)."""
+        """(out, lse) of :func:`hf_distca.kernels.attention_forward` over ``offsets`` (``sinks``: applied)."""
         return attention_forward(
             q,
             k,
             v,
-            *layout,
+            *offsets,
             scale=self.scale,
             backend=self.backend,
             window=window,
@@ -87,14 +87,14 @@ class Kernel:
         self,
         fwd: ForwardTensors,
         dout: torch.Tensor,
-        layout: VarlenLayout,
+        offsets: VarlenOffsets,
         window: int | None,
         sinks: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """dq, dk, dv of :func:`hf_distca.kernels.attention_backward` over ``layout`` and, with ``sinks``,
+        """dq, dk, dv of :func:`hf_distca.kernels.attention_backward` over ``offsets`` and, with ``sinks``,
         the gradient of the sinks from these rows (:func:`hf_distca.kernels.sinks_backward`), else None."""
         grads = attention_backward(
-            dout, *fwd, *layout, scale=self.scale, backend=self.backend, window=window, softcap=self.softcap
+            dout, *fwd, *offsets, scale=self.scale, backend=self.backend, window=window, softcap=self.softcap
         )
         return *grads, (None if sinks is None else sinks_backward(dout, fwd.out, fwd.lse, sinks))
 
