@@ -43,7 +43,8 @@ class LocalBatch:
 
 
 class OneSlotCache:
-    """Remembers the value derived from the last set of source tensors (identity + version checked)."""
+    """Remembers the value derived from the last set of source tensors (their identity, through weak
+    references, and their versions checked)."""
 
     def __init__(self) -> None:
         self._key: tuple | None = None
@@ -60,7 +61,7 @@ class OneSlotCache:
             if not isinstance(t, torch.Tensor):
                 return None  # e.g. offsets given as a list: cheap to re-derive, not cached
             try:
-                parts.append((id(t), t._version))
+                parts.append(t._version)  # identity: the weak references of put
             except RuntimeError:  # inference tensors have no version counter: do not cache
                 return None
         return tuple(parts)

@@ -102,12 +102,12 @@ class EngineState:
         return key
 
 
-_PROCESS_STATE: EngineState | None = None
+_process_state: EngineState | None = None
 
 
 def engine_state() -> EngineState:
     """The process's engine state (made at the first call)."""
-    global _PROCESS_STATE
-    if _PROCESS_STATE is None:
-        _PROCESS_STATE = EngineState()
-    return _PROCESS_STATE
+    global _process_state
+    if _process_state is None:
+        _process_state = EngineState()
+    return _process_state
