@@ -35,6 +35,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from hf_distca.attention_inputs import local_batch, padding_mask, past_batch
+from hf_distca.comm import collective_device, group_rank_world
 from hf_distca.config import DistCAConfig
 from hf_distca.data.nano import NANO_BATCHES
 from hf_distca.engine import EngineState, core_attention, engine_state, interleave, local_attention, probe
@@ -110,9 +111,10 @@ def enable_distca(
     On several ranks it runs the engine's start-up probes the config asks for
     (:func:`hf_distca.engine.probe`: ``measure_link``; ``cost_table="auto"`` on CUDA, for the model's
     head shape and attention inputs of its parameters' dtype and of ``dtype``, the dtype its attention
-    layers compute in under autocast), collectively: call it on every rank of ``group`` together, with
-    the model on its device. ``probe=False`` skips them: for a model whose forwards never carry a
-    ``distca_layout`` (the attention function runs locally, only ``config.backend`` applies).
+    layers compute in under autocast; without ``dtype``, float32 parameters are probed for bfloat16 and
+    float16 too), collectively: call it on every rank of ``group`` together. ``probe=False`` skips them:
+    for a model whose forwards never carry a ``distca_layout`` (the attention function runs locally,
+    only ``config.backend`` applies).
     """
     config = with_layer_pricing(config if config is not None else DistCAConfig(), model)
     runtime = DistCARuntime(group=group, config=config)
@@ -131,10 +133,19 @@ def enable_distca(
 
 
 def _probe(runtime: DistCARuntime, model: torch.nn.Module, dtype: torch.dtype | None) -> None:
-    """The engine's start-up probes for ``model``'s attention (see :func:`enable_distca`)."""
+    """The engine's start-up probes for ``model``'s attention (see :func:`enable_distca`): on the model's
+    CUDA device, else where the group's collectives run (a model still on the CPU under NCCL); for its
+    parameters' dtype and ``dtype``, or, without ``dtype``, for float32 parameters also the half types
+    autocast may compute in."""
     weight = next(model.parameters(), None)
     device = weight.device if weight is not None else torch.device("cpu")
-    dtypes = [t for t in (weight.dtype if weight is not None else None, dtype) if t is not None]
+    if device.type != "cuda" and group_rank_world(runtime.group)[1] > 1:
+        device = collective_device(runtime.group, device)
+    dtypes = [weight.dtype] if weight is not None else []
+    if dtype is not None:
+        dtypes.append(dtype)
+    elif dtypes == [torch.float32]:
+        dtypes += [torch.bfloat16, torch.float16]
     cfg = getattr(model, "config", None)
     if cfg is not None and hasattr(cfg, "get_text_config"):
         cfg = cfg.get_text_config()

@@ -70,7 +70,9 @@ def test_link_probe_on_gloo():
     assert gib is not None and 0 < gib < math.inf
     for rank, res in enumerate(results):
         assert res["gib"] == gib and res["probes"] == 1 and res["priced"], rank  # one agreed figure
-        assert res["recorded"] == (2, True), rank  # the probe rounds are in the metrics
+        assert res["recorded"] == (1, True), (
+            rank
+        )  # the round that measured is in the metrics (not the second)
         assert res["digest"] == results[0]["digest"], rank  # one plan
         assert res["peers"] == [r for r in range(world) if r != rank]
     # the plan is the planner's with the measured figure
