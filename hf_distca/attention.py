@@ -19,7 +19,7 @@ Three modes:
   engine :func:`hf_distca.engine.core_attention` over the runtime's process group.
 
 This is glue only: no policy lives here (the planner's price of the model's layers:
-:mod:`hf_distca.engine.pricing`; the engine's probes: :mod:`hf_distca.engine.probe`). Features the kernels
+:mod:`hf_distca.engine.pricing`; the engine's probes: :mod:`hf_distca.engine.probes`). Features the kernels
 cannot compute exactly are refused by :mod:`hf_distca.features` instead of being silently ignored.
 """
 

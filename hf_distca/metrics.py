@@ -43,7 +43,7 @@ class EngineStats:
     """Seconds the engine's thread spent on plans: planning, or waiting for a prefetched plan, and
     building the dispatch index (the critical-path cost of planning)."""
     probes: int = 0
-    """Start-up probe rounds run (link and kernel cost: :func:`hf_distca.engine.probe.probe`, collective,
+    """Start-up probe rounds run (link and kernel cost: :func:`hf_distca.engine.probes.probe`, collective,
     before the first engine call; never inside a layer's call)."""
     probe_seconds: float = 0.0
     """Seconds those probes took (measuring, and the collectives that agree on the results)."""

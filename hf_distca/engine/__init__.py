@@ -2,7 +2,7 @@
 
 Stages, each callable on its own (an overlap schedule can interleave them):
 
-- probe (:mod:`.probe`), once before the first call: the link and kernel-cost probes the config asks
+- probe (:mod:`.probes`), once before the first call: the link and kernel-cost probes the config asks
   for (collective; :func:`hf_distca.enable_distca` runs it);
 - prepare (:mod:`.prepare`): plan + this rank's index tensors, cached per micro-batch, checked across
   ranks (:mod:`.consistency`); with ``DistCAConfig.prefetch_plans`` the plan of the next micro-batch is
@@ -28,7 +28,7 @@ from hf_distca.engine.consistency import InconsistentInputError
 from hf_distca.engine.op import LocalRunner, PingPongRunner, core_attention, local_attention
 from hf_distca.engine.ping_pong import PartSplit, ping_pong_parts, whole
 from hf_distca.engine.prepare import PreparedAttention, prepare
-from hf_distca.engine.probe import probe
+from hf_distca.engine.probes import probe
 from hf_distca.engine.stages import (
     GradReturn,
     Kernel,

@@ -1,6 +1,6 @@
 """The cost probe: which measured table ``DistCAConfig(cost_table="auto")`` plans with, agreed by every
 rank of the group, resolved once per (group, kernel backend, dtype, head shape) at an explicit point
-before the first engine call (:func:`probe_cost_table`; :func:`hf_distca.engine.probe.probe`, which
+before the first engine call (:func:`probe_cost_table`; :func:`hf_distca.engine.probes.probe`, which
 :func:`hf_distca.enable_distca` calls), kept in the engine state and read by the engine
 (:func:`auto_cost_table`), which never runs a collective for it.
 

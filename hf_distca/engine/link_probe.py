@@ -1,6 +1,6 @@
 """The link probe: measure the all-to-all bandwidth the planner prices moves with
 (``DistCAConfig(measure_link=True)``), once per process group, at an explicit point before the first
-engine call (:func:`hf_distca.engine.probe.probe`, which :func:`hf_distca.enable_distca` calls); the
+engine call (:func:`hf_distca.engine.probes.probe`, which :func:`hf_distca.enable_distca` calls); the
 engine reads the figure from its state and never measures inside a layer's call.
 
 Every rank runs the same three collectives at the same point (:func:`probe_link`): a warm-up
