@@ -98,7 +98,8 @@ def auto_cost_table(
     q_heads, head_dim, kv_heads = q.shape[1], q.shape[2], k.shape[1]
     key = _key(config, group, q.device, q.dtype, q_heads, kv_heads, head_dim)
     if key not in state.cost_tables:
-        if describe_device(q.device, q.dtype, config) is None:
+        described = describe_device(q.device, q.dtype, config)
+        if described is None:
             return None  # not CUDA: causal pairs, nothing to probe
         if group_rank_world(group)[1] > 1:
             raise RuntimeError(
@@ -108,10 +109,19 @@ def auto_cost_table(
                 "with the dtype the attention layers compute in, or hf_distca.engine.probe(config, group=..., "
                 "device=..., dtypes=..., q_heads=..., kv_heads=..., head_dim=...); or set cost_table=None or a path"
             )
-        probe_cost_table(
-            config, group, q.device, q.dtype, q_heads, kv_heads, head_dim, state
-        )  # no collective
+        # one process: its shipped table or none (nothing is balanced, so nothing is measured)
+        state.cost_tables[key] = shipped_table(
+            described[0], q.dtype, q_heads, kv_heads, head_dim, described[1]
+        )
     return state.cost_tables[key]
+
+
+def shipped_table(
+    device_name: str, dtype: torch.dtype, q_heads: int, kv_heads: int, head_dim: int, backend: str
+) -> MeasuredCost | None:
+    """The table shipped for this GPU model, dtype, head shape and kernel backend; None without one."""
+    shipped = find_shipped_table(device_name, dtype, q_heads, kv_heads, head_dim, backend)
+    return None if shipped is None else load_shipped_table(shipped)
 
 
 def _key(config: DistCAConfig, group: Any, device: torch.device, dtype, q_heads, kv_heads, head_dim) -> tuple:
@@ -141,10 +151,10 @@ def agree_on_table(
     ``warmup`` / ``repeats`` calls per cell (default the start-up ones); else None (causal pairs).
     Collective on ``group`` when it has several ranks; on one process the shipped table or None. The
     seconds a measurement took go to ``state.measurement_seconds`` (None: the process's state)."""
-    shipped = find_shipped_table(device_name, dtype, q_heads, kv_heads, head_dim, backend)
     _, world = group_rank_world(group)
     if world == 1:
-        return None if shipped is None else load_shipped_table(shipped)
+        return shipped_table(device_name, dtype, q_heads, kv_heads, head_dim, backend)
+    shipped = find_shipped_table(device_name, dtype, q_heads, kv_heads, head_dim, backend)
     digest = 0 if shipped is None else digest64(load_shipped_table(shipped).digest())
     mine = [int(shipped is not None), digest, int(measurable)]  # [found, its digest, can measure]
     everyone = all_gather_rows(mine, group, device)
