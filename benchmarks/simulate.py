@@ -1033,7 +1033,7 @@ def write_report(rows: list[Row], info: dict, args, command: str) -> str:
         "enable_distca derives it: the layer's weights at the default layer_tflops; the simulated "
         f"non-attention work above is {linear.per_token_layer:.4g}): transfers "
         "priced as hidden behind the other nano-batch's layer work and kernels (hf_distca.planning.links."
-        "hiding_window; distca-comm-layers-exposed: without it)",
+        "with_hiding_work; distca-comm-layers-exposed: without it)",
         "",
         "Systems: hf-default (each rank packs whole documents in order, attention local to each piece; "
         "documents longer than the budget become independent chunks: **the math differs**), "
