@@ -29,7 +29,7 @@ from common import init_nccl, median_ms  # noqa: E402
 
 from hf_distca import DistCAConfig  # noqa: E402
 from hf_distca.data.rebatch import layout_pieces  # noqa: E402
-from hf_distca.engine import prepare  # noqa: E402
+from hf_distca.engine import prepare, probe  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
@@ -61,6 +61,9 @@ def measure(name: str, all_pieces: list, rank: int, iters: int) -> str:
     q = torch.randn(tokens, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(tokens, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     on, off = DistCAConfig(), DistCAConfig(check_consistency=False)
+    probe(
+        on, device=q.device, dtypes=[q.dtype], q_heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM
+    )  # start-up
 
     def fresh(config: DistCAConfig) -> None:
         copy = tuple(tuple(r) for r in all_pieces)  # a new object with the same content: plan cached

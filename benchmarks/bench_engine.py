@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import init_nccl, median_ms  # noqa: E402
 
 from hf_distca import DistCAConfig, core_attention, local_attention, metrics  # noqa: E402
-from hf_distca.engine import clear_plan_cache  # noqa: E402
+from hf_distca.engine import engine_state, probe  # noqa: E402
 from hf_distca.planning import plan_core_attention  # noqa: E402
 
 BF16_TOL = 2e-2  # max |a - b| / max |b|, bf16 vs bf16 with different summation orders
@@ -77,6 +77,8 @@ def main() -> int:
     lens = [n for _, _, n in pieces]
     cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
     config = DistCAConfig(tolerance=args.tolerance)
+    probe(config, device=q.device, dtypes=[q.dtype], q_heads=args.heads, kv_heads=args.kv_heads,
+          head_dim=args.head_dim)  # the engine's start-up probes (collective)  # fmt: skip
 
     def local_step():
         out = local_attention(q, k, v, cu, cu, max(lens), max(lens))
@@ -92,7 +94,7 @@ def main() -> int:
     ref_grads = [t.grad.clone() for t in (q, k, v)]
     for t in (q, k, v):
         t.grad = None
-    clear_plan_cache()
+    engine_state().reset()
     metrics.reset()
     out = core_attention(q, k, v, pieces, config=config, all_pieces=layout)
     out.backward(dout)

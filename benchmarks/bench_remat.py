@@ -41,6 +41,7 @@ import common  # noqa: E402
 
 from hf_distca import DistCAConfig, core_attention, enable_distca  # noqa: E402
 from hf_distca.data.baselines import LAYOUTS  # noqa: E402
+from hf_distca.engine import probe  # noqa: E402
 
 MODES = ("remat", "recompute", "none")
 DEVICE = torch.device("cuda")
@@ -53,6 +54,15 @@ def attention_forward_seconds(
     """Median over batches of the core-attention forward of all layers (dispatch, kernel, return)."""
     times = []
     config = DistCAConfig(backend=backend)
+    probe(
+        config,
+        group=group,
+        device=DEVICE,
+        dtypes=[DTYPE],
+        q_heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+    )
     for batch in batches:
         tokens = batch["input_ids"].shape[1]
         q = torch.randn(tokens, heads, head_dim, device=DEVICE, dtype=DTYPE)

@@ -22,7 +22,7 @@ bandwidth per GPU) and prices every rank's work:
   the planner prices transfers as hidden behind the other nano-batch's layers),
   ``distca-pingpong`` / ``distca-comm-pingpong`` (those plans under attention-level ping-pong,
   ``DistCAConfig(ping_pong=True)``: the engine's nano-batches inside each attention call,
-  hf_distca.planning.nano) and ``distca-layers`` / ``distca-comm-layers`` (layer-level ping-pong: the
+  hf_distca.planning.ping_pong) and ``distca-layers`` / ``distca-comm-layers`` (layer-level ping-pong: the
   micro-batch's whole documents in two nano-batches of about equal estimated cost, each laid out over all
   ranks at its own tokens per rank (the fewest that hold it) and planned on its own, as the data path does:
   :func:`hf_distca.data.nano.split_documents` and :func:`~hf_distca.data.nano.nano_tokens_per_rank`; a
@@ -116,8 +116,8 @@ from hf_distca.planning import MeasuredCost, plan_core_attention
 from hf_distca.planning import schedule as schedule_ops
 from hf_distca.planning.cost import causal_pairs
 from hf_distca.planning.links import LAYER_FORWARD_SHARE, attention_flops_per_pair, layer_seconds_per_token
-from hf_distca.planning.nano import nano_plans
 from hf_distca.planning.options import BALANCE_ONLY_TOLERANCE, PRICED_TOLERANCE
+from hf_distca.planning.ping_pong import part_plans
 from hf_distca.planning.relay import relay_kv_bytes
 from hf_distca.planning.traffic import (
     INTER,
@@ -273,7 +273,7 @@ class ModelShape:
     @property
     def layer_weights(self) -> int:
         """Weights of one decoder layer's matmuls: attention projections and MLP (as
-        hf_distca.attention.decoder_layer_weights counts them on a model)."""
+        hf_distca.engine.pricing.decoder_layer_weights counts them on a model)."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         return self.hidden * (2 * q + 2 * kv) + 3 * self.hidden * self.intermediate
 
@@ -652,7 +652,7 @@ def price_plans(
         compute[("head", "fwd", n, 0)] = tokens * s.linear.per_token_fixed
         parts = [plan]
         if schedule == "attention" and any(plan.bytes_sent) and world > 1:  # as engine_runner
-            parts = nano_plans(plan, config.shard_tokens, split or config.ping_pong_split)
+            parts = part_plans(plan, config.shard_tokens, split or config.ping_pong_split)
         nparts = len(parts)
         for j, part in enumerate(parts):
             fwd, fwd_bwd = np.zeros(world), np.zeros(world)
@@ -1034,7 +1034,7 @@ def write_report(rows: list[Row], info: dict, args, command: str) -> str:
         "enable_distca derives it: the layer's weights at the default layer_tflops; the simulated "
         f"non-attention work above is {linear.per_token_layer:.4g}): transfers "
         "priced as hidden behind the other nano-batch's layer work and kernels (hf_distca.planning.links."
-        "hiding_window; distca-comm-layers-exposed: without it)",
+        "with_hiding_work; distca-comm-layers-exposed: without it)",
         "",
         "Systems: hf-default (each rank packs whole documents in order, attention local to each piece; "
         "documents longer than the budget become independent chunks: **the math differs**), "

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 from hf_distca.kernels import KERNEL_BACKENDS
 from hf_distca.planning.cost import CausalPairsCost, MeasuredCost
-from hf_distca.planning.nano import PING_PONG_SPLITS
 from hf_distca.planning.options import PlannerOptions
+from hf_distca.planning.ping_pong import PING_PONG_SPLITS
 
 # DistCAConfig fields that change how a plan is run or checked, never the plan itself.
 RUN_ONLY_FIELDS = (
@@ -63,7 +63,8 @@ class DistCAConfig:
     """What the planner balances. ``"auto"`` (the default): on CUDA tensors, measured kernel time: the
     table shipped in :mod:`hf_distca.cost_tables` for this GPU model, dtype, head shape and resolved kernel
     backend when there is one (1 x H200, bf16, 32/8 heads x 128, cudnn and torch_varlen), else one measured
-    at the first engine call on the training GPUs (a reduced grid: 3-7 s on an H200 at 32/8 x 128; see
+    before the first engine call on the training GPUs (by :func:`hf_distca.engine.probe`, which
+    :func:`hf_distca.enable_distca` runs; a reduced grid: 3-7 s on an H200 at 32/8 x 128; see
     :mod:`hf_distca.engine.cost_probe`; every rank plans with the ranks' mean); causal (query, key) pairs
     on the CPU, on one process without a shipped table, and with the reference kernel. A path: the measured
     CA-task time table in that JSON file (written by ``python -m hf_distca.calibrate --out PATH`` on the
@@ -112,7 +113,7 @@ class DistCAConfig:
     the work it flies behind)``: this x the nano-batch's tokens per rank (a quarter in forward) or its mean
     core-attention seconds per server (the other nano-batch's work, taken equal to this one's: the split,
     :func:`hf_distca.data.nano.split_documents`, gives them about equal estimated cost); see
-    :func:`hf_distca.planning.links.hiding_window`. On an H200 with a Llama-3-8B-shaped layer
+    :func:`hf_distca.planning.links.with_hiding_work`. On an H200 with a Llama-3-8B-shaped layer
     (hidden 4096, MLP 14336) ~4e-6 (benchmarks/simulate.py's fit of the H200 measurements that
     docs/architecture.md cites). None (the default): :func:`hf_distca.enable_distca` (which
     ``DistCACallback`` calls) derives it from the model's decoder layer, its weights at ``layer_tflops``
@@ -142,7 +143,8 @@ class DistCAConfig:
     None: unbounded."""
 
     measure_link: bool = False
-    """With ``link_gib_per_s`` None: measure it at the first engine call on each process group (a warm-up
+    """With ``link_gib_per_s`` None: measure it once per process group before the first engine call
+    (:func:`hf_distca.engine.probe`, which :func:`hf_distca.enable_distca` runs; a warm-up
     and a timed all-to-all of 8 MiB per rank to the ranks in other nodes, or all others, then an
     all-reduce so that every rank plans with the slowest rank's figure) and price communication with it.
     Plans then depend on a measurement: runs can differ in their plans, never in their results."""
@@ -153,7 +155,7 @@ class DistCAConfig:
     of hanging or planning differently. One small collective per micro-batch; must be equal on all ranks."""
 
     ping_pong: bool | None = False
-    """Split each micro-batch's core attention into two nano-batches whose exchanges run asynchronously
+    """Split each micro-batch's core attention into ping-pong parts whose exchanges run asynchronously
     while the other one's server kernel runs, in forward and backward (same results). True: always (on
     the CPU it runs the same schedule over gloo); None: on for CUDA tensors, off elsewhere; False (the
     default until its CUDA schedule has been checked over NCCL and measured on 2+ GPUs): never. Only calls
@@ -162,7 +164,7 @@ class DistCAConfig:
     ping_pong_split: str = "local_first"
     """How ping-pong splits each server's work, one of PING_PONG_SPLITS: 'local_first': the work that
     needs no exchange in two halves around the work that does (whose exchanges fly during those halves);
-    'halves': two nano-batches of equal work, each with its own exchanges (the first one's dispatch and
+    'halves': two parts of equal work, each with its own exchanges (the first one's dispatch and
     the second one's return are not hidden)."""
 
     layer_ping_pong: bool = False
@@ -178,7 +180,7 @@ class DistCAConfig:
     """Plan each micro-batch in a background process while the one before it computes, so that planning
     leaves the training step's critical path (the planner is pure Python: seconds per step at hundreds of
     servers with priced links). The data path of ``DistCACallback`` / ``DistCABatches`` hands each coming
-    micro-batch's layouts to :func:`hf_distca.engine.prefetch.prefetch_plans`, which plans them in every
+    micro-batch's layouts to :meth:`hf_distca.engine.prefetch.Prefetcher.prefetch_plans`, which plans them in every
     context the engine planned in so far (head shape, window, cost model); the engine takes those plans
     (the same plans: planning is deterministic) instead of planning. Costs one extra process per rank
     (started with the trainer, or the loader's iteration). Off: each micro-batch is planned at its first

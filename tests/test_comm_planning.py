@@ -35,7 +35,7 @@ from hf_distca.planning import (
     traffic,
 )
 from hf_distca.planning.cost import write_cost_table
-from hf_distca.planning.links import FWD_BWD_FLOP_RATIO, hiding_window, seconds_per_cost_unit
+from hf_distca.planning.links import FWD_BWD_FLOP_RATIO, seconds_per_cost_unit, with_hiding_work
 from hf_distca.planning.options import PRICED_TOLERANCE
 
 FLOPS = attention_flops_per_pair(2, 8)  # 2 query heads x 8: 224 FLOPs per pair forward+backward
@@ -428,18 +428,18 @@ def test_layer_ping_pong_window_per_phase():
     exposed = sum over phases of max(0, share x transfer - window), the larger phase of a pass behind the
     shorter work."""
     link = LinkModel(1.0, 1.0, None, 0.0, seconds_per_cost_unit=0.01)
-    assert hiding_window(link, DistCAConfig().planner_options(), 100, 35.0, 8, 4) is link  # none asked for
+    assert with_hiding_work(link, DistCAConfig().planner_options(), 100, 35.0, 8, 4) is link  # none asked for
     config = DistCAConfig(layer_ping_pong=True, layer_seconds_per_token=1e-3)
-    hidden = hiding_window(link, config.planner_options(), 100, 35.0, 8, 4)
+    hidden = with_hiding_work(link, config.planner_options(), 100, 35.0, 8, 4)
     # per row moved: fwd.dispatch q + kv = 12 B, fwd.return out = 8, bwd.dispatch q, out, dout + kv = 28,
     # bwd.return dq + dkv = 12; layer work 0.1 s (0.025 forward), kernels 0.35 s (0.1 forward)
     expected = ((12 / 60, 0.025), (8 / 60, 0.1), (28 / 60, 0.075), (12 / 60, 0.25))
-    np.testing.assert_allclose(hidden.windows, expected, rtol=1e-12)
-    assert hidden.exposed(0.1) == 0.0  # every phase shorter than its window
+    np.testing.assert_allclose(hidden.hiding, expected, rtol=1e-12)
+    assert hidden.exposed(0.1) == 0.0  # every phase shorter than the work it flies behind
     assert hidden.exposed(0.3) == pytest.approx(0.3 * 12 / 60 - 0.025 + 0.3 * 28 / 60 - 0.075, rel=1e-12)
     assert hidden.exposed(3.0) == pytest.approx(3.0 - 0.45, rel=1e-12)  # every phase longer
     assert hidden.critical_path(10.0, 3.0) == pytest.approx(0.1 + 2.55, rel=1e-12)
-    halved = hiding_window(LinkModel(1.0, 1.0, None, 0.5, 0.01), config, 100, 35.0, 8, 4)
+    halved = with_hiding_work(LinkModel(1.0, 1.0, None, 0.5, 0.01), config, 100, 35.0, 8, 4)
     assert halved.exposed(6.0) == pytest.approx(2.55, rel=1e-12)  # comm_overlap applies first
     assert link.exposed(3.0) == 3.0
 
@@ -448,7 +448,7 @@ def test_layer_ping_pong_window_lets_hidden_moves_pay():
     """test_moves_only_while_they_pay's batch at the link where priced moves do not pay: with the other
     nano-batch's layer work to hide the returns behind, moving work pays (the dispatches, behind the
     short kernels, stay mostly exposed); with none, only the kernels hide a little and nothing moves. The
-    critical path the plan reports is the window's, never above no balancing."""
+    critical path the plan reports is the one with that work, never above no balancing."""
     layout = Layout(
         "one_long",
         [0, 1, 2, 3],
@@ -468,7 +468,7 @@ def test_layer_ping_pong_window_lets_hidden_moves_pay():
             assert plan.critical_path_after < min(plan.critical_path_before, exposed.critical_path_after)
         link = link_model_from_options(config.planner_options(), CausalPairsCost(), FLOPS)
         tokens, mean = (2048 + 3 * 64) / 4, sum(plan.load_before) / 4
-        link = hiding_window(link, config.planner_options(), tokens, mean, Q_ROW, KV_ROW)
+        link = with_hiding_work(link, config.planner_options(), tokens, mean, Q_ROW, KV_ROW)
         assert plan.critical_path_after == pytest.approx(plan_critical_path(plan, link), rel=1e-12)
         assert plan.critical_path_after == pytest.approx(critical_path(plan, layout, config, link), rel=1e-9)
 

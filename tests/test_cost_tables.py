@@ -23,7 +23,7 @@ from hf_distca.cost_tables import (
     table_matches,
     timing,
 )
-from hf_distca.engine import clear_plan_cache, cost_probe, prepare
+from hf_distca.engine import EngineState, cost_probe, engine_state, prepare, probe
 from hf_distca.planning import CausalPairsCost, MeasuredCost, attention_flops_per_pair
 
 H200 = dict(device_name="NVIDIA H200", dtype=torch.bfloat16, q_heads=32, kv_heads=8, head_dim=128)
@@ -100,9 +100,9 @@ def test_auto_plans_with_the_shipped_table_and_pairs_without_one():
 def test_auto_on_cpu_tensors_is_pairs():
     q = torch.zeros(300, 2, 8)
     k = torch.zeros(300, 1, 8)
-    assert cost_probe.describe_device(q, DistCAConfig()) is None
+    assert cost_probe.describe_device(q.device, q.dtype, DistCAConfig()) is None
     assert cost_probe.auto_cost_table(DistCAConfig(), None, q, k) is None
-    clear_plan_cache()
+    engine_state().reset()
     plans = [
         prepare(q, k, k, [(0, 0, 300)], config=DistCAConfig(cost_table=table)).plan
         for table in ("auto", None)
@@ -137,13 +137,17 @@ def test_startup_command_on_cpu(tmp_path, capsys, monkeypatch):
 def _worker(rank: int, world: int) -> dict:
     out = {}
     # 1. a fake H200 description: every rank finds the shipped cudnn table; prepare plans with it
-    cost_probe.describe_device = lambda q, config: ("NVIDIA H200", "cudnn")
+    cost_probe.describe_device = lambda device, dtype, config: ("NVIDIA H200", "cudnn")
     rows = sum(p[2] for p in PIECES[rank])
     q = torch.zeros(1, 32, 128, dtype=torch.bfloat16).expand(rows, 32, 128)  # prepare reads shapes only
     k = torch.zeros(1, 8, 128, dtype=torch.bfloat16).expand(rows, 8, 128)
-    clear_plan_cache()
-    cost_probe.clear_cost_tables()
-    prepared = prepare(q, k, k, PIECES[rank], config=DistCAConfig(shard_tokens=128), all_pieces=PIECES)
+    config = DistCAConfig(shard_tokens=128)
+    state = EngineState()
+    with pytest.raises(RuntimeError, match="no kernel-cost table was resolved"):  # no probe: no collective
+        prepare(q, k, k, PIECES[rank], config=config, all_pieces=PIECES, state=state)
+    probe(config, device=q.device, dtypes=[q.dtype], q_heads=32, kv_heads=8, head_dim=128,
+          state=state)  # fmt: skip
+    prepared = prepare(q, k, k, PIECES[rank], config=config, all_pieces=PIECES, state=state)
     out["shipped_plan"] = prepared.plan.digest()
 
     # 2. no shipped table fits: every rank measures the start-up grid (the reference kernel on a tiny
@@ -151,7 +155,7 @@ def _worker(rank: int, world: int) -> dict:
     kw = dict(device_name="cpu-test", measurable=True, lens=[16, 32], fuse_tokens=64, warmup=0, repeats=1)
     measured = cost_probe.agree_on_table(None, torch.device("cpu"), torch.float32, 2, 1, 8, "reference", **kw)
     out["measured"] = (measured.digest(), measured.seconds.tolist())
-    out["seconds"] = cost_probe.last_measurement_seconds
+    out["seconds"] = engine_state().measurement_seconds
 
     # 3. the ranks' timings differ and only rank 0 has a shipped table: the mean of the ranks' tables
     real_time_task, real_find = timing.time_task, cost_probe.find_shipped_table
@@ -202,9 +206,8 @@ def test_gpu_auto_resolves_on_this_gpu():
     H200 with cudnn or torch_varlen), else none (one process measures nothing)."""
     q = torch.zeros(128, 32, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.zeros(128, 8, 128, device="cuda", dtype=torch.bfloat16)
-    cost_probe.clear_cost_tables()
-    name, backend = cost_probe.describe_device(q, DistCAConfig())
-    table = cost_probe.auto_cost_table(DistCAConfig(), None, q, k)
+    name, backend = cost_probe.describe_device(q.device, q.dtype, DistCAConfig())
+    table = cost_probe.auto_cost_table(DistCAConfig(), None, q, k, EngineState())
     shipped = find_shipped_table(name, torch.bfloat16, 32, 8, 128, backend)
     print(f"{name}, backend {backend}: shipped table {shipped}")
     if shipped is None:

@@ -27,7 +27,8 @@ from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, Llama
 
 import hf_distca
 from hf_distca import DistCAConfig, enable_distca, metrics, plan_core_attention
-from hf_distca.checkpointing import remat_checkpointing_kwargs, remat_context_fn
+from hf_distca.checkpointing import remat_checkpointing_kwargs
+from hf_distca.engine.remat import remat_context_fn
 from hf_distca.planning import traffic
 
 MODES = ("none", "recompute", "remat")

@@ -16,8 +16,8 @@ import torch
 from tolerances import TOL
 
 from hf_distca import kernels
-from hf_distca.checkpointing import TRACED_REMAT_MIN_TORCH
 from hf_distca.engine import local_attention
+from hf_distca.engine.remat import TRACED_REMAT_MIN_TORCH
 from hf_distca.kernels import (
     ForwardTensors,
     UnsupportedFeatureError,

@@ -30,7 +30,7 @@ from hf_distca.kernels import (
     resolve_backend,
     sinks_backward,
 )
-from hf_distca.kernels.common import ForwardTensors, VarlenLayout, check_inputs
+from hf_distca.kernels.common import ForwardTensors, VarlenOffsets, check_inputs
 
 CPU_BACKENDS = available_backends(torch.device("cpu"), torch.float32)
 
@@ -303,7 +303,7 @@ def test_softcap_refused_by_backends_without_it(monkeypatch):
     import hf_distca.kernels as kernels
 
     q, k, v, _ = _inputs([4], [4], 2, 2, 4, torch.float32)
-    seqs = check_inputs(q, k, v, VarlenLayout(_cu([4]), _cu([4]), 4, 4), None, 30.0)
+    seqs = check_inputs(q, k, v, VarlenOffsets(_cu([4]), _cu([4]), 4, 4), None, 30.0)
     for name in ("cudnn", "torch_varlen"):
         with pytest.raises(
             UnsupportedFeatureError, match=r"softcapping \(softcap=30.0: Gemma 2.*'flash_attn'.*'reference'"
@@ -605,7 +605,7 @@ def test_cudnn_host_logic_with_emulated_launches(case, strategy, monkeypatch):
     options = cudnn_backend.CudnnOptions(suffix_strategy=strategy)
     q_lens, k_lens, window = CUDNN_CASES[case]
     q, k, v, dout = _inputs(q_lens, k_lens, 8, 2, 16, torch.float32, seed=13)
-    seqs = check_inputs(q, k, v, VarlenLayout(_cu(q_lens), _cu(k_lens), max(q_lens), max(k_lens)), window)
+    seqs = check_inputs(q, k, v, VarlenOffsets(_cu(q_lens), _cu(k_lens), max(q_lens), max(k_lens)), window)
     out, lse = cudnn_backend.forward(q, k, v, seqs, SCALE, options)
     want_out, want_lse = naive_attention(q, k, v, q_lens, k_lens, SCALE, window)
     rtol, atol = TOL["fp32"]
@@ -633,7 +633,7 @@ def test_cudnn_options_reach_every_launch(bucket_shapes, monkeypatch):
     options = cudnn_backend.CudnnOptions(suffix_strategy="split", bucket_shapes=bucket_shapes)
     q_lens, k_lens = [4, 2], [4, 5]  # a whole document and a suffix task: a top-left and a side call
     q, k, v, dout = _inputs(q_lens, k_lens, 2, 2, 4, torch.float32)
-    seqs = check_inputs(q, k, v, VarlenLayout(_cu(q_lens), _cu(k_lens), 4, 5))
+    seqs = check_inputs(q, k, v, VarlenOffsets(_cu(q_lens), _cu(k_lens), 4, 5))
     out, lse = cudnn_backend.forward(q, k, v, seqs, SCALE, options)
     cudnn_backend.backward(dout, ForwardTensors(q, k, v, out, lse), seqs, SCALE, options)
     assert seen == [bucket_shapes] * 4
@@ -642,7 +642,7 @@ def test_cudnn_options_reach_every_launch(bucket_shapes, monkeypatch):
 def test_cudnn_call_plan_groups_by_alignment():
     q_lens, k_lens = [4, 0, 2, 3, 0], [4, 6, 5, 3, 0]
     q, k, v, _ = _inputs(q_lens, k_lens, 2, 2, 4, torch.float32)
-    seqs = check_inputs(q, k, v, VarlenLayout(_cu(q_lens), _cu(k_lens), 4, 6))
+    seqs = check_inputs(q, k, v, VarlenOffsets(_cu(q_lens), _cu(k_lens), 4, 6))
     # rows: q 0-3 | - | 4-5 | 6-8 ; k 0-3 | 4-9 | 10-14 | 15-17
     grouped = cudnn_calls.plan_calls(seqs, "bottom_right")
     assert [(c.mask, c.q_rows, c.k_rows, c.q_lens, c.k_lens, c.side) for c in grouped] == [

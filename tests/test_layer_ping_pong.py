@@ -39,11 +39,11 @@ from tolerances import TOL
 from transformers import DataCollatorWithFlattening, MixtralConfig, MixtralForCausalLM
 
 from hf_distca import DistCAConfig, enable_distca, metrics, nano_batch_loss
-from hf_distca.attention import decoder_layer_weights
 from hf_distca.data import DistCABatches
 from hf_distca.data.baselines import LAYOUTS
 from hf_distca.data.nano import NANO_BATCHES, nano_tokens_per_rank, split_documents
 from hf_distca.engine import interleave
+from hf_distca.engine.pricing import decoder_layer_weights
 from hf_distca.planning.cost import LINEAR_PAIRS_PER_TOKEN, causal_pairs
 from hf_distca.planning.schedule import layer_ping_pong
 

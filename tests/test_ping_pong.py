@@ -39,11 +39,11 @@ from test_engine_remat import LAYERS, MODES, assert_grads_close, check_modes, ru
 from hf_distca import DistCAConfig, core_attention, metrics, plan_core_attention
 from hf_distca import engine as eng
 from hf_distca.comm import signal_only
-from hf_distca.engine.nano import nano_batches
+from hf_distca.engine.ping_pong import ping_pong_parts
 from hf_distca.engine.prepare import PreparedAttention
 from hf_distca.kernels import reference_varlen_attention
 from hf_distca.planning import CATask, DocIndex, build_dispatch_index, causal_pairs, traffic
-from hf_distca.planning.nano import BALANCE, DUPLICATE_GAP, split_server_tasks
+from hf_distca.planning.ping_pong import BALANCE, DUPLICATE_GAP, split_server_tasks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 D = 8
@@ -148,7 +148,7 @@ def test_ping_pong_split_layouts_and_indices(world):
                 plan = plan_core_attention(
                     layout.pieces, q_row_bytes=32, kv_row_bytes=64, options=config.planner_options()
                 )
-                splits = [nano_batches(_prepared(plan, r, 4, 2), shard, split) for r in range(world)]
+                splits = [ping_pong_parts(_prepared(plan, r, 4, 2), shard, split) for r in range(world)]
                 label = f"{layout.name}/seed {seed}/shard {shard}/{split}"
                 for server, tasks in enumerate(plan.tasks):
                     parts = [part.plan.tasks[server] for part in splits[0].parts]
@@ -216,7 +216,7 @@ def _run(q, k, v, w, layout: Layout, rank: int, config: DistCAConfig) -> dict:
 def _attention_case(rank: int, case: dict) -> dict:
     layout: Layout = case["layout"]
     q, k, v, w = _qkv(layout, rank, case)
-    eng.clear_plan_cache()
+    eng.engine_state().reset()
     cfg = case["config"]
     serial = _run(q, k, v, w, layout, rank, DistCAConfig(**{**vars(cfg), "ping_pong": False}))
     pp = _run(q, k, v, w, layout, rank, cfg)
@@ -231,7 +231,7 @@ def _parts(prep, rank: int, cfg: DistCAConfig) -> list[dict]:
     if not prep.communicates:
         return []
     parts = []
-    for part in nano_batches(prep, cfg.shard_tokens, cfg.ping_pong_split).parts:
+    for part in ping_pong_parts(prep, cfg.shard_tokens, cfg.ping_pong_split).parts:
         ix = part.index
         parts.append({
             "tasks": part.plan.tasks, "sent": part.plan.bytes_sent[rank], "received": part.plan.bytes_received[rank],

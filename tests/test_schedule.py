@@ -16,7 +16,7 @@ from oracle import named_layouts, random_qkv
 
 from hf_distca import DistCAConfig, core_attention
 from hf_distca import engine as eng
-from hf_distca.engine.nano import nano_batches
+from hf_distca.engine.ping_pong import ping_pong_parts
 from hf_distca.planning import schedule as sch
 
 
@@ -157,7 +157,9 @@ def _engine_order(rank: int, world: int, layout, config: DistCAConfig) -> dict:
         q, k, v, layout.pieces[rank], group=dist.group.WORLD, config=config, all_pieces=layout.pieces
     )
     parts = (
-        len(nano_batches(prep, config.shard_tokens, config.ping_pong_split).parts) if config.ping_pong else 1
+        len(ping_pong_parts(prep, config.shard_tokens, config.ping_pong_split).parts)
+        if config.ping_pong
+        else 1
     )
     return {"order": [name.removeprefix("distca.") for _, name in events], "parts": parts}
 

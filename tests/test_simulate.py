@@ -136,7 +136,7 @@ def test_model_flops_of_llama3_8b_shape():
 
 
 def test_layer_seconds_derived_from_weights_match_the_linear_fit():
-    """What enable_distca derives for layer-level ping-pong's hiding window (the layer's weights at the
+    """What enable_distca derives for layer-level ping-pong's hiding work (the layer's weights at the
     default layer_tflops) is, for the Llama-3-8B shape on an H200, the non-attention seconds per token per
     layer fitted to the H200 measurements (docs/architecture.md), within 1%; the simulator's planner uses
     the derived value."""

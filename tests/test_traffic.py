@@ -18,7 +18,7 @@ import torch
 
 from hf_distca import DistCAConfig, plan_core_attention
 from hf_distca.data import layout_pieces
-from hf_distca.engine.nano import nano_batches
+from hf_distca.engine.ping_pong import ping_pong_parts
 from hf_distca.engine.prepare import PreparedAttention
 from hf_distca.planning import (
     CausalPairsCost,
@@ -71,7 +71,7 @@ def _observed(config: DistCAConfig, plan=None) -> dict:
         cu_seqlens_q=torch.zeros(1, dtype=torch.int32), cu_seqlens_k=torch.zeros(1, dtype=torch.int32),
         flops_before=[], flops_after=[],
     )  # fmt: skip
-    parts = nano_batches(prepared, config.shard_tokens, "halves").parts
+    parts = ping_pong_parts(prepared, config.shard_tokens, "halves").parts
     return {
         "plan": plan,
         "ledger": ledger.plan_bytes(plan),

@@ -31,7 +31,7 @@ from hf_distca.kernels.common import (
     ForwardTensors,
     PackedSeqs,
     UnsupportedFeatureError,
-    VarlenLayout,
+    VarlenOffsets,
     check_backward_inputs,
     check_inputs,
     check_sinks,
@@ -46,7 +46,7 @@ __all__ = [
     "CudnnOptions",
     "ForwardTensors",
     "UnsupportedFeatureError",
-    "VarlenLayout",
+    "VarlenOffsets",
     "attention_backward",
     "attention_forward",
     "available_backends",
@@ -251,8 +251,8 @@ def attention_forward(
     :func:`sinks_backward`). ``cudnn_options``: how the cudnn backend runs (None: its defaults; only when the
     backend is cudnn).
     """
-    layout = VarlenLayout(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    seqs = check_inputs(q, k, v, layout, window, softcap)
+    offsets = VarlenOffsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    seqs = check_inputs(q, k, v, offsets, window, softcap)
     if sinks is not None:
         check_sinks(sinks, q)
     name = resolve_backend(backend, q.device, q.dtype, softcap=seqs.softcap)
@@ -286,8 +286,8 @@ def attention_backward(
     forward of the same inputs, ``window`` and ``softcap`` (any backend: all agree up to rounding); with
     sinks, the forward's (out, lse) already hold them and these gradients are exact as they are. ``cudnn_options``: as in :func:`attention_forward`.
     """
-    layout = VarlenLayout(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    seqs = check_inputs(q, k, v, layout, window, softcap)
+    offsets = VarlenOffsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    seqs = check_inputs(q, k, v, offsets, window, softcap)
     check_backward_inputs(dout, q, out, lse)
     name = resolve_backend(backend, q.device, q.dtype, softcap=seqs.softcap)
     scale = q.shape[-1] ** -0.5 if scale is None else scale

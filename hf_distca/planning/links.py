@@ -9,13 +9,13 @@ training step (forward + backward), is therefore
 
     critical path = max over servers of compute + exposed(sum over phases of max over ranks of the
                     rank's phase time)
-    exposed(transfer) = max(0, (1 - overlap) x transfer - window)
+    exposed(transfer) = max(0, (1 - overlap) x transfer - hiding)
 
 where compute is the server's core-attention time, ``overlap`` the fraction of transfer time that
-overlapping communication with compute hides (``DistCAConfig.comm_overlap``) and ``window`` the seconds of
+overlapping communication with compute hides (``DistCAConfig.comm_overlap``) and ``hiding`` the seconds of
 other work each phase flies behind: under layer-level ping-pong the other nano-batch's layer work or
-kernels (:func:`hiding_window`, from ``DistCAConfig.layer_seconds_per_token``), else none. With windows,
-``exposed`` is the sum over the phases of ``max(0, share x (1 - overlap) x transfer - window)``. Compute time comes from
+kernels (:func:`with_hiding_work`, from ``DistCAConfig.layer_seconds_per_token``), else none. With such
+work, ``exposed`` is the sum over the phases of ``max(0, share x (1 - overlap) x transfer - hiding)``. Compute time comes from
 the cost model: a measured table (:class:`~hf_distca.planning.cost.MeasuredCost`) is already in seconds;
 causal (query, key) pairs are turned into seconds at ``DistCAConfig.attention_tflops``.
 """
@@ -55,7 +55,7 @@ __all__ = [
     "LinkModel",
     "PhaseTimes",
     "attention_flops_per_pair",
-    "hiding_window",
+    "with_hiding_work",
     "layer_seconds_per_token",
     "link_model_from_options",
     "plan_critical_path",
@@ -80,9 +80,9 @@ class LinkModel:
     """Fraction of transfer time hidden under compute, in [0, 1]."""
     seconds_per_cost_unit: float
     """Seconds of one layer's forward+backward core attention per unit of the cost model."""
-    windows: tuple[tuple[float, float], ...] = ()
+    hiding: tuple[tuple[float, float], ...] = ()
     """Per all-to-all phase of a layer, (its share of the layer's transfer time, seconds of other work it
-    flies behind) (:func:`hiding_window`); empty: no such work."""
+    flies behind) (:func:`with_hiding_work`); empty: no such work."""
     kv_relay: bool = False
     """KV rows through the per-node relay (``DistCAConfig.kv_relay``, :mod:`hf_distca.planning.relay`):
     priced with their two stages in one table, moving at once like the link classes (the second stage
@@ -120,9 +120,9 @@ class LinkModel:
         """Seconds of one layer's transfers (``comm_seconds``, forward + backward) left exposed: the share
         overlap does not hide, less, phase by phase, the work each flies behind."""
         seconds = (1.0 - self.overlap) * comm_seconds
-        if not self.windows:
+        if not self.hiding:
             return seconds
-        return sum(max(0.0, share * seconds - window) for share, window in self.windows)
+        return sum(max(0.0, share * seconds - hiding) for share, hiding in self.hiding)
 
     def critical_path(self, max_cost: float, comm_seconds: float) -> float:
         """Seconds of one layer's core attention on the critical path: the slowest server's compute plus
@@ -173,7 +173,7 @@ def link_model_from_options(
     )
 
 
-def hiding_window(
+def with_hiding_work(
     link: LinkModel,
     options: PlannerOptions,
     tokens_per_rank: float,
@@ -205,12 +205,12 @@ def hiding_window(
     row = np.array([q_row_bytes, kv_row_bytes], dtype=np.float64)
     weight = {p: float(CARRIES[i].sum(axis=0) @ row) for i, p in enumerate(PHASES)}  # bytes per row moved
     total = sum(weight.values())
-    windows = []
+    hiding = []
     for pass_, (a, b) in work.items():
         phases = sorted((p for p in PHASES if p.startswith(pass_)), key=lambda p: -weight[p])
-        for phase, window in zip(phases, sorted((a, b)), strict=True):  # the larger phase, the shorter work
-            windows.append((weight[phase] / total, float(window)))
-    return dataclasses.replace(link, windows=tuple(windows))
+        for phase, seconds in zip(phases, sorted((a, b)), strict=True):  # the larger phase, the shorter work
+            hiding.append((weight[phase] / total, float(seconds)))
+    return dataclasses.replace(link, hiding=tuple(hiding))
 
 
 LAYER_FORWARD_SHARE = 0.25

@@ -58,7 +58,7 @@ class PlannerOptions:
 
     layer_seconds_per_token: float | None = None
     """Seconds per token of a layer's other work that layer-level ping-pong hides transfers behind
-    (:func:`~hf_distca.planning.links.hiding_window`); None: no such work."""
+    (:func:`~hf_distca.planning.links.with_hiding_work`); None: no such work."""
 
     @property
     def balance_tolerance(self) -> float:

@@ -8,8 +8,8 @@ is ever broadcast. This module decides which candidate plan wins; the greedy tha
 Without a link bandwidth (``PlannerOptions.link_gib_per_s`` None) the plan is the balance-only greedy's:
 every server within ``PlannerOptions.balance_tolerance`` of the mean cost. With one, the step's critical path is the slowest
 server's compute plus the exposed time of the engine's all-to-alls, each as long as its slowest rank (under
-layer-level ping-pong with ``PlannerOptions.layer_seconds_per_token``, less the window of the other
-nano-batch's work they fly behind: :func:`~hf_distca.planning.links.hiding_window`). The
+layer-level ping-pong with ``PlannerOptions.layer_seconds_per_token``, less the hiding work of the other
+nano-batch they fly behind: :func:`~hf_distca.planning.links.with_hiding_work`). The
 balance-only plan is kept when its transfer time is within ``balance_tolerance`` of its critical path and it is no
 slower than no balancing (so free links, infinite bandwidth or ``comm_overlap`` 1, give exactly the
 balance-only plan). Otherwise priced greedies run: one balances to the mean, others fill destinations up to
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 from hf_distca.planning.balancer import Balancer
 from hf_distca.planning.cost import CausalPairsCost
-from hf_distca.planning.links import LinkModel, hiding_window, link_model_from_options, plan_critical_path
+from hf_distca.planning.links import LinkModel, link_model_from_options, plan_critical_path, with_hiding_work
 from hf_distca.planning.options import PlannerOptions
 from hf_distca.planning.pieces import DocIndex
 from hf_distca.planning.tasks import CATask, CorePlan
@@ -110,7 +110,7 @@ def _plan(
         balance_only.balance()
         return _finish(balance_only, before, None, None)
     world = max(len(index.tokens_per_rank), 1)
-    link = hiding_window(
+    link = with_hiding_work(
         link, options, sum(index.tokens_per_rank) / world, sum(before[0]) / world, q_row_bytes, kv_row_bytes
     )
 
