@@ -38,7 +38,7 @@ under torch.profiler: the trace (rank 0) is written to ``--trace-dir`` and summa
 (one per layer and pass): its communication kernels' time, how much of it overlapped compute kernels
 (hidden) and how much did not (exposed), and its server kernels' time.
 
-    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 benchmarks/bench_ping_pong.py --layers 8 \\
+    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 -m benchmarks.bench_ping_pong --layers 8 \\
         --tokens-per-rank 32768,65536 --doc-lengths mix --doc-lengths prolong=doclens_prolong.json \\
         --link nvlink --out ping_pong.md --json ping_pong.json --trace-dir traces
 
@@ -59,8 +59,12 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (  # noqa: E402
+from hf_distca import DistCAConfig, enable_distca, forward_nano_batches
+from hf_distca.comm import signal_only
+from hf_distca.data.baselines import LAYOUTS
+from hf_distca.data.nano import NANO_BATCHES
+
+from .common import (
     LossModel,
     add_model_arguments,
     add_step_arguments,
@@ -73,12 +77,7 @@ from common import (  # noqa: E402
     step_batches,
     timed_steps,
 )
-from common import write_outputs as write_results  # noqa: E402
-
-from hf_distca import DistCAConfig, enable_distca, forward_nano_batches  # noqa: E402
-from hf_distca.comm import signal_only  # noqa: E402
-from hf_distca.data.baselines import LAYOUTS  # noqa: E402
-from hf_distca.data.nano import NANO_BATCHES  # noqa: E402
+from .common import write_outputs as write_results
 
 MODES = (
     "ping_pong", "ping_pong_halves", "layer_ping_pong", "serial", "serial_tight", "signal", "signal_pp",
@@ -412,7 +411,13 @@ def _timeline_rows(calls: list[dict], layers: int) -> list[str]:
 
 
 def report(results: dict, args, world: int, config) -> str:
-    cmd = " ".join(["torchrun", f"--nproc-per-node {world}", shlex.join(sys.argv)])  # empty values quoted
+    cmd = " ".join(
+        [
+            "torchrun",
+            f"--nproc-per-node {world}",
+            shlex.join(["-m", "benchmarks.bench_ping_pong", *sys.argv[1:]]),
+        ]
+    )  # empty values quoted
     device = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "CPU (smoke test)"
     env = []
     if DEVICE.type == "cuda":

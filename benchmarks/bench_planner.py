@@ -36,7 +36,7 @@ between nodes (else ``--sim-inter-node-gibps``) and ``--ranks-per-node`` GPUs pe
 
 Example (the DistCA sample files are described in the shared data README):
 
-    python benchmarks/bench_planner.py --doclens PATH/doclens_pretrain.json --world 2 8 64 128 512 \
+    python -m benchmarks.bench_planner --doclens PATH/doclens_pretrain.json --world 2 8 64 128 512 \
         --tokens-per-rank 65536 --docs-per-batch 1000 3000 10000 --batches 5 \
         [--link-gib-per-s 23.3 --ranks-per-node 8 --intra-node-gib-per-s 260] [--cost-table TABLE.json]
 """
@@ -46,10 +46,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import platform
 import statistics
-import sys
 import time
 
 import numpy as np
@@ -65,8 +63,7 @@ from hf_distca.planning import (
     plan_critical_path,
 )
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import simulate  # noqa: E402
+from . import simulate
 
 
 def global_batches(

@@ -32,7 +32,7 @@ Nothing here is fitted to these measurements: the simulator's constants come fro
 (kernels_h200.md, the shipped cost tables, DESIGN.md's 4-layer straggler and 8-layer fit, the NCCL
 all-to-all figures).
 
-    python benchmarks/check_simulator.py --results benchmarks/results/remat_2xh200.md \\
+    python -m benchmarks.check_simulator --results benchmarks/results/remat_2xh200.md \\
         --results benchmarks/results/cudnn_step_2xh200.md --results benchmarks/results/layer_ping_pong_1xh200.md \\
         --doc-lengths prolong=PATH/doclens_prolong.json --doc-lengths pretrain=PATH/doclens_pretrain.json \\
         --out OUT/simulator_check_tables.md
@@ -55,19 +55,20 @@ from importlib import resources
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_ping_pong  # noqa: E402  (its parser, modes and nano-batches per mode)
-import bench_remat  # noqa: E402  (its command-line parser: the results tables hold its commands)
-import common  # noqa: E402
-import simulate as sim  # noqa: E402
+from hf_distca.config import DistCAConfig
+from hf_distca.cost_tables import find_shipped_table
+from hf_distca.data.baselines import LAYOUTS
+from hf_distca.data.nano import NANO_BATCHES
+from hf_distca.planning import plan_core_attention
+from hf_distca.planning.cost import cost_model_from_config
+from hf_distca.planning.links import attention_flops_per_pair
 
-from hf_distca.config import DistCAConfig  # noqa: E402
-from hf_distca.cost_tables import find_shipped_table  # noqa: E402
-from hf_distca.data.baselines import LAYOUTS  # noqa: E402
-from hf_distca.data.nano import NANO_BATCHES  # noqa: E402
-from hf_distca.planning import plan_core_attention  # noqa: E402
-from hf_distca.planning.cost import cost_model_from_config  # noqa: E402
-from hf_distca.planning.links import attention_flops_per_pair  # noqa: E402
+from . import (
+    bench_ping_pong,  # its parser, modes and nano-batches per mode
+    bench_remat,  # its command-line parser: the results tables hold its commands
+    common,
+)
+from . import simulate as sim
 
 RECOMPUTE = {"remat": "remat", "recompute": "full"}
 """bench_remat mode -> simulator recompute mode; 'none' (no checkpointing) has no linear fit."""
@@ -224,19 +225,20 @@ def _ping_pong_row(
 
 
 def _script_words(command: str, script: str) -> list[str]:
+    """The arguments after ``-m benchmarks.<script>`` in ``command``."""
     words = shlex.split(command)
-    return words[next(i for i, w in enumerate(words) if w.endswith(script)) + 1 :]
+    return words[words.index(f"benchmarks.{script}") + 1 :]
 
 
 def bench_args(command: str) -> argparse.Namespace:
     """The bench_remat options of a table's command that decide which micro-batches ran."""
-    args, _ = bench_remat.build_parser().parse_known_args(_script_words(command, "bench_remat.py"))
+    args, _ = bench_remat.build_parser().parse_known_args(_script_words(command, "bench_remat"))
     return args
 
 
 def ping_pong_args(command: str) -> argparse.Namespace:
     """bench_ping_pong's own parse of a table's command (seed, warm-up, steps, layout, layers ...)."""
-    return bench_ping_pong.parse_args(_script_words(command, "bench_ping_pong.py"))
+    return bench_ping_pong.parse_args(_script_words(command, "bench_ping_pong"))
 
 
 def rebuild_layouts(
@@ -514,7 +516,7 @@ def portable_command(argv: Sequence[str]) -> str:
         spec = before == "--doc-lengths" or arg.startswith("--doc-lengths=")
         words.append(sim.portable(arg, "<shared data>") if spec else arg)
         before = arg
-    return "python benchmarks/check_simulator.py " + " ".join(shlex.quote(w) for w in words)
+    return "python -m benchmarks.check_simulator " + " ".join(shlex.quote(w) for w in words)
 
 
 def _setting(row: Measured) -> str:

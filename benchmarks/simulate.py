@@ -83,7 +83,7 @@ bandwidth per GPU) and prices every rank's work:
   heads x head_dim per (query, key) pair per layer, exact for every system) over step time x GPUs x
   989 TFLOP/s. tokens/s counts real (not padding) tokens.
 
-    python benchmarks/simulate.py --workload pretrain=PATH/doclens_pretrain.json \\
+    python -m benchmarks.simulate --workload pretrain=PATH/doclens_pretrain.json \\
         --workload prolong=PATH/doclens_prolong.json --workload long-mix --gpus 2 8 64 512 \\
         --tokens-per-rank 32768 65536 --out benchmarks/results/DATE-simulated.md
 
@@ -130,8 +130,7 @@ from hf_distca.planning.traffic import (
 )
 from hf_distca.planning.window import kv_start
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from workloads import documents_for, draw_lengths, global_batches, load_sample  # noqa: E402
+from .workloads import documents_for, draw_lengths, global_batches, load_sample
 
 PEAK_TFLOPS = 989.0
 """Dense bf16 peak of one H200 (SXM), TFLOP/s: the MFU denominator."""
@@ -1316,7 +1315,7 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
             raise SystemExit(f"--{name.replace('_', '-')} must be positive")
     rows, info = run_grid(args)
     argv = list(argv if argv is not None else sys.argv[1:])
-    command = "python benchmarks/simulate.py " + " ".join(shlex.quote(portable(a)) for a in argv)
+    command = "python -m benchmarks.simulate " + " ".join(shlex.quote(portable(a)) for a in argv)
     report = write_report(rows, info, args, command)
     if args.out:
         with open(args.out, "w") as f:

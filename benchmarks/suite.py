@@ -61,20 +61,20 @@ On the GPU machine (2 x H200 now; any N: ``--gpus N``), from the repository root
 (``--calibrate`` measures the kernel table of the backend the runs use once, ~1-2 minutes, and the
 prediction and the ideal are priced with it):
 
-    python benchmarks/suite.py --name 2xh200 --gpus 2 --calibrate --workload pretrain=DATA/doclens_pretrain.json \\
+    python -m benchmarks.suite --name 2xh200 --gpus 2 --calibrate --workload pretrain=DATA/doclens_pretrain.json \\
         --tokens-per-rank 65536 --layers 16 --steps 6
-    python benchmarks/suite.py --name 2xh200 --gpus 2 --calibrate --workload prolong=DATA/doclens_prolong.json \\
+    python -m benchmarks.suite --name 2xh200 --gpus 2 --calibrate --workload prolong=DATA/doclens_prolong.json \\
         --tokens-per-rank 65536 --layers 16 --steps 6
-    python benchmarks/suite.py --name 2xh200 --gpus 2 --calibrate --workload long-mix --tokens-per-rank 65536 \\
+    python -m benchmarks.suite --name 2xh200 --gpus 2 --calibrate --workload long-mix --tokens-per-rank 65536 \\
         --layers 16 --steps 6
-    python benchmarks/suite.py --name 2xh200 --gpus 2 --calibrate --workload pretrain=DATA/doclens_pretrain.json \\
+    python -m benchmarks.suite --name 2xh200 --gpus 2 --calibrate --workload pretrain=DATA/doclens_pretrain.json \\
         --workload prolong=DATA/doclens_prolong.json --workload long-mix --tokens-per-rank 65536 \\
         --layers 16 --steps 6 --report-only
 
 The sequence-parallel baselines, once per workload (DeepSpeed 0.19.8 and its dependencies importable, e.g.
 ``PYTHONPATH=WHEELS``; not in the default systems):
 
-    python benchmarks/suite.py --name 2xh200 --gpus 2 --workload long-mix --tokens-per-rank 65536 --layers 16 \\
+    python -m benchmarks.suite --name 2xh200 --gpus 2 --workload long-mix --tokens-per-rank 65536 --layers 16 \\
         --steps 6 --systems ulysses torch-cp
 
 (DATA: the directory of the shared length samples. Add ``--tokens-per-rank 32768 65536`` for both
@@ -99,11 +99,10 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import simulate as sim  # noqa: E402
-from workloads import LONG_MIX, documents_for, draw_lengths, global_batches, load_sample  # noqa: E402
+from hf_distca.config import DistCAConfig
 
-from hf_distca.config import DistCAConfig  # noqa: E402
+from . import simulate as sim
+from .workloads import LONG_MIX, documents_for, draw_lengths, global_batches, load_sample
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYSTEM_RUNS = {
@@ -623,7 +622,7 @@ def main(argv: Sequence[str] | None = None) -> str | None:
         for run in runs:
             statuses[run.out_dir] = execute(run, args.steps, args.timeout)
             print(f"{run.workload} {run.tokens_per_rank} {run.system}: {statuses[run.out_dir]}", flush=True)
-    command = "python benchmarks/suite.py " + " ".join(shlex.quote(sim.portable(a)) for a in argv)
+    command = "python -m benchmarks.suite " + " ".join(shlex.quote(sim.portable(a)) for a in argv)
     report, plots = write_report(args, runs, files, statuses, command)
     os.makedirs(args.results_dir, exist_ok=True)
     path = os.path.join(args.results_dir, f"{datetime.date.today().isoformat()}-{args.name}.md")

@@ -13,24 +13,22 @@ import dataclasses
 import json
 import os
 import statistics
-import sys
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-import check_simulator as cs  # noqa: E402
-import common  # noqa: E402
-import simulate as sim  # noqa: E402
+from benchmarks import check_simulator as cs
+from benchmarks import common
+from benchmarks import simulate as sim
+from hf_distca.data.baselines import LAYOUTS
 
-from hf_distca.data.baselines import LAYOUTS  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 FIXTURE = """# Title
 
 ## Checkpointing modes, 2 x NVIDIA H200, llama3-8b-shaped (8 layers)
 
-Command: `NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 benchmarks/bench_remat.py --layout tokens --layers 4 \
+Command: `NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 -m benchmarks.bench_remat --layout tokens --layers 4 \
 --doc-lengths mix --doc-lengths prolong=.gpu_data/doclens_prolong.json --seed 3 --steps 5 --out OUT/x.md`
 
 | sample (tokens in docs >= 16K) | mode | step time (s) | speed-up | peak memory (GiB) | kernels | sent (GiB) | imbalance before -> after |
@@ -42,7 +40,7 @@ Command: `NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 benchmarks/bench_remat.
 
 ## Consistency check cost, 2 x NVIDIA H200, NCCL
 
-Command: `torchrun --nproc-per-node 2 benchmarks/bench_consistency.py --out OUT/c.md`
+Command: `torchrun --nproc-per-node 2 -m benchmarks.bench_consistency --out OUT/c.md`
 
 | layout | pieces per rank (max) | new layout, check on |
 |---|---|---|
@@ -50,7 +48,7 @@ Command: `torchrun --nproc-per-node 2 benchmarks/bench_consistency.py --out OUT/
 
 ## Checkpointing modes, 1 x NVIDIA H200, llama3-8b-shaped (8 layers)
 
-Command: `torchrun --nproc-per-node 1 benchmarks/bench_remat.py --layers 8 --out OUT/y.md`
+Command: `torchrun --nproc-per-node 1 -m benchmarks.bench_remat --layers 8 --out OUT/y.md`
 
 | sample (tokens in docs >= 16K) | mode | step time (s) | speed-up | peak memory (GiB) | kernels | sent (GiB) | imbalance before -> after |
 |---|---|---|---|---|---|---|---|
@@ -116,7 +114,7 @@ def test_rebuilt_plans_send_the_bytes_the_gpu_run_counted():
 
 
 PING_PONG_COMMAND = (
-    "NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 1 benchmarks/bench_ping_pong.py --layers 2 "
+    "NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 1 -m benchmarks.bench_ping_pong --layers 2 "
     "--tokens-per-rank 4096,65536 --doc-lengths tiny=.gpu/tiny.json --modes serial,layer_ping_pong "
     "--link none --warmup 1 --steps 3 --seed 0"
 )
@@ -147,7 +145,7 @@ Step: kernels from first to last 1200.4 ms, compute idle 32.5 ms. NCCL kernels (
 
 ## Ping-pong, 2 x NVIDIA H100 80GB HBM3, link: nvlink, llama3-8b-shaped (2 layers)
 
-Command: `torchrun --nproc-per-node 2 benchmarks/bench_ping_pong.py --layers 2 --tokens-per-rank 512 --backend torch_varlen`
+Command: `torchrun --nproc-per-node 2 -m benchmarks.bench_ping_pong --layers 2 --tokens-per-rank 512 --backend torch_varlen`
 
 | sample / tokens per rank (tokens in docs >= 16K) | mode | step time (s) | vs serial | vs signal | peak memory (GiB) | \
 attn fwd kernels / step | core-attn bytes sent / step (GiB) | imbalance before -> after |
@@ -157,7 +155,7 @@ attn fwd kernels / step | core-attn bytes sent / step (GiB) | imbalance before -
 
 
 PASSES_COMMAND = (
-    "NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 1 benchmarks/bench_ping_pong.py --layers 2 "
+    "NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 1 -m benchmarks.bench_ping_pong --layers 2 "
     "--tokens-per-rank 4096 --doc-lengths tiny=.gpu/tiny.json --modes serial,serial_tight,layer_ping_pong "
     "--passes 2 --link none --warmup 1 --steps 3 --seed 0"
 )

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -528,8 +527,7 @@ def test_gpu_engine_check_script_on_cpu():
 
 # ---------------------------------------------------------------------------- the GPU benchmark
 def _bench():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    import bench_ping_pong
+    from benchmarks import bench_ping_pong
 
     return bench_ping_pong
 
@@ -596,7 +594,7 @@ def test_ping_pong_bench_cpu_smoke(tmp_path):
         "--link", "gloo", "--out", str(tmp_path / "pp.md"), "--json", str(tmp_path / "pp.json"),
         "--trace-dir", str(tmp_path / "traces"), "--passes", "2",
     ]  # fmt: skip
-    launch(2, [["benchmarks/bench_ping_pong.py", argv]], tmp_path)
+    launch(2, [["benchmarks.bench_ping_pong", argv]], tmp_path)
     results = json.loads((tmp_path / "pp.json").read_text())
     (res,) = results.values()
     modes = res["modes"]

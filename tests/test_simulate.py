@@ -18,6 +18,8 @@ import sys
 import numpy as np
 import pytest
 
+from benchmarks import simulate as sim
+from benchmarks import workloads
 from hf_distca.config import DistCAConfig
 from hf_distca.data import DistCABatches, layout_pieces
 from hf_distca.data.nano import nano_tokens_per_rank, split_documents
@@ -26,9 +28,6 @@ from hf_distca.planning.cost import causal_pairs
 from hf_distca.planning.links import layer_seconds_per_token
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-import simulate as sim  # noqa: E402
-import workloads  # noqa: E402
 
 REL = 1e-9  # float64 arithmetic on the same inputs in another order
 

@@ -13,13 +13,12 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 sys.path.insert(0, os.path.join(ROOT, "recipes"))
 import finetune_long_docs as recipe  # noqa: E402
 import sequence_parallel_long_docs as sp_recipe  # noqa: E402
 import sft_trl  # noqa: E402
-import suite  # noqa: E402
 
+from benchmarks import suite  # noqa: E402
 from hf_distca.config import DistCAConfig  # noqa: E402
 
 REL = 1e-9
@@ -177,7 +176,7 @@ def test_report_from_metrics_files(tmp_path):
     with open(path) as f:
         text = f.read()
     assert os.path.basename(path).endswith("-t.md")
-    assert "Command: `python benchmarks/suite.py --name t" in text and "<data>/doclens_tiny.json" in text
+    assert "Command: `python -m benchmarks.suite --name t" in text and "<data>/doclens_tiny.json" in text
     assert str(tmp_path) not in text.split("Command:")[1].split("\n")[0]
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in text.splitlines() if line.startswith("| ") and "|---" not in line}  # fmt: skip
