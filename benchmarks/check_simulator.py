@@ -6,7 +6,7 @@ run trained (common.build_batches on the CPU: the same seeded document draw, the
 layout), plans each with DistCA's planner under the config bench_remat's engine ran
 (``DistCAConfig(backend=...)``, everything else default) and prices the plan with the simulator's model
 (simulate.price_plan: the torch_varlen kernel table, the linear non-attention fit, the NVLink all-to-all
-table, the command's layer count). Prediction of a step: the serial schedule (hf_distca.planning.schedule.serial, bench_remat runs without
+table, the command's layer count). Prediction of a step: the serial schedule (benchmarks/sim/schedule.py's serial, bench_remat runs without
 ping-pong: every rank waits for the slowest at each all-to-all, nothing overlapped) timed by
 simulate.price_plan as simulate.simulate prices DistCA's engine; median over
 the timed steps as bench_remat reports. Also the forward of core attention alone (all layers) against
@@ -21,7 +21,7 @@ nano-batches hf_distca.data.nano splits it into, each laid out at its own tokens
 its own) planned under the mode's DistCAConfig (bench_ping_pong.MODE_CONFIG) with the cost table that
 ``cost_table="auto"`` resolves to on that GPU for the kernel 'auto' ran, and priced by
 simulate.price_plans with that table: the serial schedule for one plan, the layer-level one
-(hf_distca.planning.schedule.layer_ping_pong) for several, as simulate prices ``distca`` and
+(benchmarks/sim/schedule.py's layer_ping_pong) for several, as simulate prices ``distca`` and
 ``distca-layers``. Tables run with ``--passes 2`` or more have each mode's step time of every pass: the
 prediction (which prices no cuDNN plan builds) is compared with the second, warm pass (no new plans: the
 steady state) and with the first. The ratios serial / serial_tight (dropped padding), serial /
@@ -29,8 +29,8 @@ layer_ping_pong and serial_tight / layer_ping_pong (the nano-batch split by itse
 per rank) are what the check is for.
 
 Nothing here is fitted to these measurements: the simulator's constants come from other runs
-(kernels_h200.md, the shipped cost tables, DESIGN.md's 4-layer straggler and 8-layer fit, the NCCL
-all-to-all figures).
+(kernels_h200.md, the shipped cost tables, the 4-layer straggler and 8-layer fit and the NCCL
+all-to-all figures of benchmarks/sim/costs.py).
 
     python -m benchmarks.check_simulator --results benchmarks/results/remat_2xh200.md \\
         --results benchmarks/results/cudnn_step_2xh200.md --results benchmarks/results/layer_ping_pong_1xh200.md \\
@@ -67,8 +67,9 @@ from . import (
     bench_ping_pong,  # its parser, modes and nano-batches per mode
     bench_remat,  # its command-line parser: the results tables hold its commands
     common,
+    sim,
 )
-from . import simulate as sim
+from .simulate import portable
 
 RECOMPUTE = {"remat": "remat", "recompute": "full"}
 """bench_remat mode -> simulator recompute mode; 'none' (no checkpointing) has no linear fit."""
@@ -316,7 +317,7 @@ class Predicted:
 
 def predict(plans, setting: sim.Setting) -> Predicted:
     """Price the timed steps' plans the way simulate.simulate prices DistCA's engine run serially (the
-    serial schedule of hf_distca.planning.schedule: bench_remat ran without ping-pong)."""
+    serial schedule of benchmarks/sim/schedule.py: bench_remat ran without ping-pong)."""
     parts, forward = [], []
     for plan in plans:
         mb = sim.price_plan(plan, setting)
@@ -514,7 +515,7 @@ def portable_command(argv: Sequence[str]) -> str:
     words, before = [], ""
     for arg in argv:
         spec = before == "--doc-lengths" or arg.startswith("--doc-lengths=")
-        words.append(sim.portable(arg, "<shared data>") if spec else arg)
+        words.append(portable(arg, "<shared data>") if spec else arg)
         before = arg
     return "python -m benchmarks.check_simulator " + " ".join(shlex.quote(w) for w in words)
 

@@ -37,7 +37,7 @@ torch-cp           ``recipes/sequence_parallel_long_docs.py --parallelism torch-
 Not exact: hf-default and torch-cp (left out of "fastest exact system"). The simulator has no model of
 ulysses and torch-cp: their prediction columns stay empty. ``ulysses`` and ``torch-cp`` are not in the
 default ``--systems``: run them with ``--systems ulysses torch-cp`` (DeepSpeed and its dependencies carried
-as wheels for ulysses, see DESIGN.md); ulysses needs heads and KV heads divisible by ``--gpus`` (KV
+as wheels for ulysses); ulysses needs heads and KV heads divisible by ``--gpus`` (KV
 heads fewer than GPUs are replicated), which Llama-3-8B's 32/8 meet for 2, 4 and 8 GPUs.
 
 Every run writes ``metrics.jsonl`` and ``summary.json`` (peak memory per rank) under ``--runs-dir``, and
@@ -101,7 +101,8 @@ from dataclasses import dataclass
 
 from hf_distca.config import DistCAConfig
 
-from . import simulate as sim
+from . import sim
+from .simulate import portable
 from .workloads import LONG_MIX, documents_for, draw_lengths, global_batches, load_sample
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -466,11 +467,7 @@ def write_report(
         "attention / (time x GPUs x 989 TFLOP/s)), peak memory (max over ranks), attention imbalance (planned "
         "FLOPs max/mean; for hf-default the full-context load of its pieces, more than it computes), GiB sent "
         "per step (busiest rank). Predicted (benchmarks/simulate.py on the same batches; "
-        + (
-            "kernel table " + sim.portable(args.kernel_table)
-            if args.kernel_table
-            else "kernels_h200.md figures"
-        )
+        + ("kernel table " + portable(args.kernel_table) if args.kernel_table else "kernels_h200.md figures")
         + f", recompute {args.recompute}): step time, busy-time imbalance, exposed communication. Ideal speedup: the simulator's "
         "exact-unbalanced / ideal (perfect balance, no exposed communication); share of ideal gain: "
         "(measured speedup - 1) / (ideal speedup - 1), both against measured exact-unbalanced.",
@@ -622,7 +619,7 @@ def main(argv: Sequence[str] | None = None) -> str | None:
         for run in runs:
             statuses[run.out_dir] = execute(run, args.steps, args.timeout)
             print(f"{run.workload} {run.tokens_per_rank} {run.system}: {statuses[run.out_dir]}", flush=True)
-    command = "python -m benchmarks.suite " + " ".join(shlex.quote(sim.portable(a)) for a in argv)
+    command = "python -m benchmarks.suite " + " ".join(shlex.quote(portable(a)) for a in argv)
     report, plots = write_report(args, runs, files, statuses, command)
     os.makedirs(args.results_dir, exist_ok=True)
     path = os.path.join(args.results_dir, f"{datetime.date.today().isoformat()}-{args.name}.md")

@@ -18,8 +18,7 @@ import pytest
 import torch
 
 from benchmarks import check_simulator as cs
-from benchmarks import common
-from benchmarks import simulate as sim
+from benchmarks import common, sim
 from hf_distca.data.baselines import LAYOUTS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

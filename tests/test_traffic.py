@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks import simulate as sim
+from benchmarks import sim
 from hf_distca import DistCAConfig, plan_core_attention
 from hf_distca.data import layout_pieces
 from hf_distca.engine.nano import nano_batches
