@@ -18,7 +18,7 @@ into ``--out``:
    (forward+backward) on the same token count, documents whole vs cut over ranks;
 6. simulate: the scan at 2-256 ranks from the measured link (hf_distca.linear.simulate).
 
-    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 benchmarks/bench_linear_sp.py --out OUTDIR
+    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 -m benchmarks.bench_linear_sp --out OUTDIR
 
 ``--smoke`` shrinks every size (CPU + gloo works: ``--device cpu --smoke``) to test the script itself.
 """
@@ -37,10 +37,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import median_ms  # noqa: E402
-
-from hf_distca.data import layout_pieces  # noqa: E402
+from hf_distca.data import layout_pieces
 from hf_distca.linear import LINEAR_BACKENDS, LinearSPConfig, linear_attention
 from hf_distca.linear.ops import (
     ScanSpec,
@@ -51,6 +48,8 @@ from hf_distca.linear.ops import (
     scan_forward,
 )
 from hf_distca.linear.simulate import PointToPointLink, best_blocks, chain_scan_time, fit_link
+
+from .common import median_ms
 
 CHECK_TOL = 2e-2  # max |a - b| / max |b| per tensor: bf16/tf32 kernels against the float64 reference
 
@@ -598,7 +597,7 @@ def main(argv=None) -> None:
         f"# Sequence-parallel linear attention ({world} x {gpu})\n\n"
         f"torch {torch.__version__}, transformers {transformers.__version__}, fla-core {fla_version}, "
         f"Python {sys.version.split()[0]}; local kernel backend `{resolved}`.\n\n"
-        f"Command: `torchrun --nproc-per-node {world} benchmarks/bench_linear_sp.py {' '.join(sys.argv[1:])}`\n"
+        f"Command: `torchrun --nproc-per-node {world} -m benchmarks.bench_linear_sp {' '.join(sys.argv[1:])}`\n"
     )
     report, results = [header], {}
     for name in sections:

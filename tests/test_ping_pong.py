@@ -17,14 +17,13 @@
   no extra bytes); signal-only exchanges send one byte.
 - Through the recipe on 2 processes (tests/run_recipes.py, DDP, gradient checkpointing): ``--ping-pong`` and
   ``--no-ping-pong`` train to the same losses and weights; the flags come from DistCAConfig.
-- benchmarks/bench_ping_pong.py: its trace summary on a hand-made trace, and its ``--cpu`` smoke run.
+- benchmarks/bench_ping_pong.py: its trace summary (benchmarks/trace_summary.py) on a hand-made trace, and its ``--cpu`` smoke run.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -36,9 +35,10 @@ from oracle import TOL, Layout, assert_close, named_layouts, oracle_with_grads, 
 from run_recipes import launch
 from test_engine_remat import LAYERS, MODES, assert_grads_close, check_modes, run_model_steps
 
+from benchmarks.signal_only import signal_only
+from benchmarks.trace_summary import summarize_trace
 from hf_distca import DistCAConfig, core_attention, metrics, plan_core_attention
 from hf_distca import engine as eng
-from hf_distca.comm import signal_only
 from hf_distca.engine.ping_pong import ping_pong_parts
 from hf_distca.engine.prepare import PreparedAttention
 from hf_distca.kernels import reference_varlen_attention
@@ -529,17 +529,9 @@ def test_gpu_engine_check_script_on_cpu():
 
 
 # ---------------------------------------------------------------------------- the GPU benchmark
-def _bench():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    import bench_ping_pong
-
-    return bench_ping_pong
-
-
 def test_ping_pong_bench_trace_summary():
     """The timeline summary on a hand-made trace: an NCCL kernel of 10 us of which 4 run beside a
     compute kernel; the server kernel counted for its call; calls numbered per pass."""
-    summarize = _bench().summarize_trace
 
     def cpu(name, ts, dur, tid=1):
         return {
@@ -571,7 +563,7 @@ def test_ping_pong_bench_trace_summary():
         kernel("ncclDevKernel_AllReduce(y)", 5, 132, 6, 21),
         kernel("ncclDevKernel_SendRecv(x)", 6, 140, 8, 20),
     ]  # fmt: skip
-    summary = summarize({"traceEvents": events})
+    summary = summarize_trace({"traceEvents": events})
     fwd, bwd = summary["calls"]
     assert (fwd["pass"], fwd["call"], bwd["pass"], bwd["call"]) == ("fwd", 0, "bwd", 0)
     assert fwd["stages"] == ["dispatch.0", "dispatch.1", "compute.0"]
@@ -598,7 +590,7 @@ def test_ping_pong_bench_cpu_smoke(tmp_path):
         "--link", "gloo", "--out", str(tmp_path / "pp.md"), "--json", str(tmp_path / "pp.json"),
         "--trace-dir", str(tmp_path / "traces"), "--passes", "2",
     ]  # fmt: skip
-    launch(2, [["benchmarks/bench_ping_pong.py", argv]], tmp_path)
+    launch(2, [["benchmarks.bench_ping_pong", argv]], tmp_path)
     results = json.loads((tmp_path / "pp.json").read_text())
     (res,) = results.values()
     modes = res["modes"]

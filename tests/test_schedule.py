@@ -1,4 +1,4 @@
-"""hf_distca.planning.schedule: the engine's schedules as data, and the list scheduler that times them.
+"""benchmarks/sim/schedule.py (the simulator's): the engine's schedules as data, and the list scheduler that times them.
 
 No processes except one spawn of 2 gloo ranks: the attention call's operations in the serial and the
 attention-level ping-pong schedules are in the order of the engine's own profiler ranges (a forward and
@@ -14,10 +14,10 @@ import torch.distributed as dist
 from distributed import run_distributed
 from oracle import named_layouts, random_qkv
 
+from benchmarks.sim import schedule as sch
 from hf_distca import DistCAConfig, core_attention
 from hf_distca import engine as eng
 from hf_distca.engine.ping_pong import ping_pong_parts
-from hf_distca.planning import schedule as sch
 
 
 def _names(ops):

@@ -9,13 +9,11 @@ bytes the engine really sends, phase by phase, is checked on gloo processes in t
 
 from __future__ import annotations
 
-import os
-import sys
-
 import numpy as np
 import pytest
 import torch
 
+from benchmarks import sim
 from hf_distca import DistCAConfig, plan_core_attention
 from hf_distca.data import layout_pieces
 from hf_distca.engine.ping_pong import ping_pong_parts
@@ -28,10 +26,6 @@ from hf_distca.planning import (
 )
 from hf_distca.planning import traffic as ledger
 from hf_distca.planning.links import plan_critical_path
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-import simulate as sim  # noqa: E402
 
 LENGTHS = [9000, 3000, 1200, 800, 500, 300, 200]
 HEADS, KV_HEADS, HEAD_DIM, ELEM = 4, 2, 16, 2

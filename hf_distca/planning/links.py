@@ -183,7 +183,7 @@ def with_hiding_work(
 ) -> LinkModel:
     """``link`` with the work each all-to-all phase flies behind under layer-level ping-pong
     (``options.layer_seconds_per_token``; ``link`` unchanged when None). In the engine's order
-    (:func:`hf_distca.planning.schedule.layer_ping_pong`) one phase of each pass flies behind the other
+    (the simulator's ``layer_ping_pong`` schedule, benchmarks/sim/schedule.py) one phase of each pass flies behind the other
     nano-batch's layer work of that pass and the other behind its kernel: a dispatch and a return per pass,
     which one behind which depending on the nano-batch's turn. Taken here the unfavourable way (the larger
     phase behind the shorter work), with the other nano-batch's work equal to this one's (the split gives

@@ -1,4 +1,5 @@
-"""The engine's schedules of one micro-batch as plain data, and a list scheduler that times them.
+"""The engine's schedules of one micro-batch as plain data, and a list scheduler that times them (the
+simulator's; NumPy only).
 
 A schedule is the ordered list of operations every rank runs for one micro-batch (all ranks run the same
 list; only the durations differ): compute on the rank's one compute stream, and the start of and the wait
