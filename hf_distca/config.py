@@ -114,8 +114,8 @@ class DistCAConfig:
     core-attention seconds per server (the other nano-batch's work, taken equal to this one's: the split,
     :func:`hf_distca.data.nano.split_documents`, gives them about equal estimated cost); see
     :func:`hf_distca.planning.links.with_hiding_work`. On an H200 with a Llama-3-8B-shaped layer
-    (hidden 4096, MLP 14336) ~4e-6 (benchmarks/simulate.py's fit of the H200 measurements that
-    docs/architecture.md cites). None (the default): :func:`hf_distca.enable_distca` (which
+    (hidden 4096, MLP 14336) ~4e-6 (the simulator's fit of the H200 measurements named in
+    benchmarks/sim/costs.py; docs/architecture.md, "Benchmarks and the simulator"). None (the default): :func:`hf_distca.enable_distca` (which
     ``DistCACallback`` calls) derives it from the model's decoder layer, its weights at ``layer_tflops``
     (:func:`hf_distca.planning.links.layer_seconds_per_token`), when ``layer_ping_pong`` is on; left
     None (a model whose decoder layers it cannot find), every transfer is priced exposed (times

@@ -17,43 +17,28 @@ work. Which of several greedies wins is :mod:`hf_distca.planning.planner`'s busi
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 
 from hf_distca.planning.assignment import ServerState
+from hf_distca.planning.candidates import Move, MoveCandidates
 from hf_distca.planning.cost import CausalPairsCost
-from hf_distca.planning.links import Changes, LinkModel, PhaseTimes
-from hf_distca.planning.move_bytes import MoveBytes
+from hf_distca.planning.links import LinkModel, PhaseTimes
 from hf_distca.planning.options import PlannerOptions
 from hf_distca.planning.pieces import DocIndex
 from hf_distca.planning.tasks import CATask
 from hf_distca.planning.traffic import relays
-from hf_distca.planning.window import Ranges, attended_pairs, kv_start, ranges_minus
+from hf_distca.planning.window import Ranges, attended_pairs
 
 FREE_LINKS = LinkModel(math.inf, math.inf, None, 0.0, 1.0)
 """Every link free: the traffic bookkeeping of the send bound when communication is not priced."""
 
 
-@dataclass
-class _Move:
-    doc: int
-    a: int
-    b: int
-    cost: float
-    bytes_in: int
-    score: float
-    changes: Changes | None = None
-    net: float = 0.0
-    """Priced moves: how much max(src, dst) drops minus the exposed transfer time added (cost units)."""
-    src: int = -1
-    dst: int = -1
-
-
-class Balancer(MoveBytes):
+class Balancer(MoveCandidates):
     """The greedy over one micro-batch's servers (see the module docstring): the servers' assignment, its
     loads and (with a link model or a send bound) its exact traffic (the bytes of each move:
-    :class:`~hf_distca.planning.move_bytes.MoveBytes`); :meth:`balance` moves work."""
+    :class:`~hf_distca.planning.move_bytes.MoveBytes`); which moves it considers and their price are
+    :class:`~hf_distca.planning.candidates.MoveCandidates`'; :meth:`balance` moves work."""
 
     def __init__(
         self, index: DocIndex, cost, options: PlannerOptions, link: LinkModel | None, q_row: int, kv_row: int
@@ -85,7 +70,7 @@ class Balancer(MoveBytes):
         if link is not None or options.max_send_bytes_per_rank is not None:
             self.traffic = PhaseTimes(link or FREE_LINKS, world)
             self.traffic.apply(self._initial_traffic())
-        self.moves: list[_Move] = []
+        self.moves: list[Move] = []
         # priced: the all-to-all seconds and the critical path after 0, 1, ... moves
         self.comm: list[float] = [self.traffic.now] if link is not None else []
         self.path: list[float] = [self.critical_path()] if link is not None else []
@@ -134,34 +119,6 @@ class Balancer(MoveBytes):
         other.path.append(other.critical_path())
         return other
 
-    def _load_changes(
-        self, src: ServerState, dst: ServerState, doc: int, x: int, y: int
-    ) -> tuple[float, float]:
-        """(how much src's load drops, how much dst's rises) when queries [x, y) of ``doc`` move: the
-        shard's cost for causal pairs; for other cost models the exact change of each server's load, whose
-        tasks are its merged intervals (cutting an interval or joining two changes their measured time)."""
-        cost = self.cost
-        if self.additive:
-            c = cost.task_cost(x, y)
-            return c, c
-        for a, b in src.intervals[doc]:
-            if a <= x and y <= b:
-                break
-        else:
-            raise AssertionError(f"planner bug: [{x}, {y}) of doc {doc} not on server {src.rank}")
-        drop = (
-            cost.task_cost(a, b)
-            - (cost.task_cost(a, x) if x > a else 0.0)
-            - (cost.task_cost(y, b) if b > y else 0.0)
-        )
-        lo, hi, joined = x, y, 0.0
-        for a, b in dst.intervals.get(doc, ()):
-            if b == x:
-                lo, joined = a, joined + cost.task_cost(a, b)
-            elif a == y:
-                hi, joined = b, joined + cost.task_cost(a, b)
-        return drop, cost.task_cost(lo, hi) - joined
-
     def critical_path(self) -> float:
         return self.link.critical_path(float(self.loads.max()) if self.loads.size else 0.0, self.comm[-1])
 
@@ -177,7 +134,7 @@ class Balancer(MoveBytes):
                 self._owned_docs.add(doc)
         return self.servers[rank]
 
-    def apply(self, move: _Move) -> None:
+    def apply(self, move: Move) -> None:
         src, dst = self._own(move.src, move.doc), self._own(move.dst, move.doc)
         if self.traffic is not None:
             changes = move.changes
@@ -228,7 +185,7 @@ class Balancer(MoveBytes):
                 break
             self.apply(move)
 
-    def _first_move(self, src: ServerState, target: float, ranks=None) -> _Move | None:
+    def _first_move(self, src: ServerState, target: float, ranks=None) -> Move | None:
         """The balance-only choice: the best move to the least loaded destination (of ``ranks``, default
         all) that has one."""
         special = self._involved(src) if self.traffic is not None else None
@@ -255,7 +212,7 @@ class Balancer(MoveBytes):
                 priced_out.add(self.node(dst.rank))
         return None
 
-    def _priced_move(self, src: ServerState, target: float) -> _Move | None:
+    def _priced_move(self, src: ServerState, target: float) -> Move | None:
         """The larger net gain (relief of max(src, dst) minus the exposed transfer time added) of two
         moves: to the least loaded destination that has one, and to the least loaded one in src's node
         that has one (where its KV travels over the fast links)."""
@@ -274,178 +231,3 @@ class Balancer(MoveBytes):
         """How many of the moves made lead to the lowest critical path (the most such moves)."""
         lowest = min(self.path)
         return max(k for k, value in enumerate(self.path) if value == lowest)
-
-    def _involved(self, src: ServerState) -> set[int]:
-        """Ranks that hold or serve part of a document src serves."""
-        out: set[int] = set()
-        for doc in src.intervals:
-            out.update(h.rank for h in self.index.holdings[doc])
-            out.update(self.serving[doc])
-        return out
-
-    def _best_move(self, src: ServerState, dst: ServerState, target: float) -> tuple[_Move | None, bool]:
-        """The move from src to dst with the most cost per communicated byte among those that do a real
-        share of the work dst can take (see module docstring), and whether a candidate was turned down for
-        its price or the send bound. Candidates are priced lazily, largest first: one that cannot be
-        chosen is never priced."""
-        want = min(src.load - target, target - dst.load)
-        if want <= 0:
-            return None, False
-        g, task_cost = self.options.shard_tokens, self.cost.task_cost
-        src_load, dst_load = src.load, dst.load
-        fitting, overshooting = (
-            [],
-            [],
-        )  # (cost, doc, x, y): at most `want`, or larger but lowering max(src, dst)
-        for doc, ivs in src.intervals.items():
-            for a, b in ivs:
-                for x, y in _candidate_ranges(a, b, want, g, task_cost):
-                    c = task_cost(x, y)
-                    if c > 0 and dst_load + c < src_load:
-                        (fitting if c <= want else overshooting).append((c, doc, x, y))
-        rejected = False
-        # (doc, end) of shards turned down for their price: a shorter shard with the same end reads the
-        # same KV prefix for less work, and is not priced
-        priced_out: set[tuple[int, int]] = set()
-        substantial: list[_Move] = []
-        for c, doc, x, y in sorted(fitting, key=lambda m: -m[0]):
-            if substantial and c < 0.5 * substantial[0].cost:
-                break  # cheaper than half the largest allowed move
-            if (doc, y) in priced_out:
-                continue
-            move, turned_down = self._candidate(src, dst, doc, x, y, c)
-            rejected |= turned_down
-            if turned_down:
-                priced_out.add((doc, y))
-            if move is not None:
-                substantial.append(move)
-        if substantial:
-            # among moves that do a real share of the wanted work, the most cost per byte
-            return max(substantial, key=lambda m: (m.score, m.cost, -m.doc, -m.a)), rejected
-        cheapest: list[_Move] = []
-        for c, doc, x, y in sorted(overshooting, key=lambda m: m[0]):
-            if cheapest and c > cheapest[0].cost:
-                break
-            if (doc, y) in priced_out:
-                continue
-            move, turned_down = self._candidate(src, dst, doc, x, y, c)
-            rejected |= turned_down
-            if move is not None:
-                cheapest.append(move)
-        if cheapest:
-            return min(cheapest, key=lambda m: (m.cost, -m.score, m.doc, m.a)), rejected
-        if rejected and self.link is not None:
-            # every move that fits dst's deficit costs more transfer time than it saves: a larger shard
-            # (up to evening out src and dst) pays the same KV prefix for more work; take the best net gain
-            half = (src.load - dst.load) / 2
-            larger = []
-            for doc, ivs in src.intervals.items():
-                for a, b in ivs:
-                    for x, y in _candidate_ranges(a, b, half, g, task_cost):
-                        move, _ = self._candidate(src, dst, doc, x, y, task_cost(x, y))
-                        if move is not None:
-                            larger.append(move)
-            if larger:
-                return max(larger, key=lambda m: (m.net, m.score, -m.doc, -m.a)), rejected
-        return None, rejected
-
-    def _candidate(
-        self, src: ServerState, dst: ServerState, doc: int, x: int, y: int, c: float
-    ) -> tuple[_Move | None, bool]:
-        """Moving queries [x, y) of ``doc`` (cost ``c``) from src to dst, priced and scored; None when it is
-        not allowed (or does not lower max(src, dst)), with whether its price or the send bound turned it
-        down."""
-        if c <= 0:
-            return None, False
-        src_drop, dst_rise = (c, c) if self.additive else self._load_changes(src, dst, doc, x, y)
-        if src_drop <= 0 or dst.load + dst_rise >= src.load:
-            return None, False
-        c = src_drop
-        q_row, kv_row = self.q_row, self.kv_row
-        q_in = (y - x) - self.rows_held(dst.rank, doc, x, y)  # rows dst lacks
-        if self.window is None:
-            have = dst.kv_need.get(doc, 0)
-            kv_in = (y - have) - self.rows_held(dst.rank, doc, have, y) if y > have else 0
-        else:
-            lacking = ranges_minus([(kv_start(x, self.window), y)], dst.given(doc, self.window))
-            kv_in = sum((hi - lo) - self.rows_held(dst.rank, doc, lo, hi) for lo, hi in lacking)
-        bytes_in = q_in * q_row + kv_in * kv_row
-        bound = self.options.max_recv_bytes_per_server
-        if bound is not None and dst.recv_bytes + bytes_in > bound:
-            return None, False
-        comm = bytes_in + q_in * q_row  # outputs travel back
-        if self.traffic is None:
-            return _Move(doc, x, y, c, bytes_in, c / (comm + 1.0)), False
-        changes = self.changes_of(src, dst, doc, x, y)
-        exposed = self._exposed_increase(changes)
-        relief = src.load - max(src.load - c, dst.load + dst_rise)  # how much max(src, dst) drops
-        if exposed is None or exposed >= relief:
-            return None, True
-        # the balance-only planner's cost per byte, net of the exposed transfer time the move adds
-        score = (c - exposed) / (comm + 1.0)
-        return _Move(doc, x, y, c, bytes_in, score, changes, net=relief - exposed), False
-
-    def _exposed_increase(self, changes: Changes) -> float | None:
-        """Exposed transfer time ``changes`` add to the step, in cost units; None when a rank would go over
-        the send bound."""
-        traffic = self.traffic
-        bound = self.options.max_send_bytes_per_rank
-        if len(changes) >= traffic.MANY:
-            added = traffic.exposed_many(changes, bound)
-            if added is None:
-                return None
-            if self.link is None:
-                return 0.0
-            return self._exposed_seconds(added) / self.link.seconds_per_cost_unit
-        after = traffic.after(changes)
-        if bound is not None:
-            for r, b in after.items():
-                sent = traffic.sent(b)
-                if sent > bound and sent > traffic.sent(traffic.bytes[r]):
-                    return None
-        if self.link is None:
-            return 0.0
-        new_phases = {r: traffic.rank_phases(b) for r, b in after.items()}
-        added = traffic.comm_seconds(new_phases) - traffic.now
-        return self._exposed_seconds(added) / self.link.seconds_per_cost_unit
-
-    def _exposed_seconds(self, added: float) -> float:
-        """Exposed transfer seconds that ``added`` seconds of transfer add to the current ones (the link
-        model's :meth:`~hf_distca.planning.links.LinkModel.exposed`)."""
-        now = self.traffic.now
-        return self.link.exposed(now + added) - self.link.exposed(now)
-
-
-def _candidate_ranges(a: int, b: int, want: float, g: int, task_cost) -> list[tuple[int, int]]:
-    """Sub-ranges of task [a, b) worth moving (``task_cost``: the cost model's): whole, the largest tail
-    and head shards costing at most ``want``, and the smallest tail/head shards (for when every fitting
-    shard is empty)."""
-    first = (a // g + 1) * g  # first split point strictly inside (a, b)
-    if first >= b:
-        return [(a, b)]
-    n = (b - 1 - first) // g + 1  # split points first + i g, i < n, on multiples of g
-    last = first + (n - 1) * g
-    out = [(a, b)]
-    # tail [c, b): cost decreases as c grows; smallest c with cost <= want
-    lo, hi = 0, n
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if task_cost(first + mid * g, b) <= want:
-            hi = mid
-        else:
-            lo = mid + 1
-    if lo < n:
-        out.append((first + lo * g, b))
-    out.append((last, b))
-    # head [a, c): cost grows with c; largest c with cost <= want
-    lo, hi = 0, n
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if task_cost(a, first + mid * g) <= want:
-            lo = mid + 1
-        else:
-            hi = mid
-    if lo > 0:
-        out.append((a, first + (lo - 1) * g))
-    out.append((a, first))
-    return list(dict.fromkeys(out))
