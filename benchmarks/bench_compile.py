@@ -14,13 +14,12 @@ Reported per mode: median step time (slowest rank) after ``--warmup`` steps (the
 step, which compiles, is timed on its own), the speed-up over eager, peak memory and each step's loss
 (the two modes must agree within bf16 rounding).
 
-    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 1 benchmarks/bench_compile.py --layers 8 --out results.md
+    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 1 -m benchmarks.bench_compile --layers 8 --out results.md
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import sys
 import time
@@ -28,8 +27,10 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (  # noqa: E402
+from hf_distca import DistCAConfig, enable_distca
+from hf_distca.data.baselines import LAYOUTS
+
+from .common import (
     LossModel,
     add_step_arguments,
     build_model,
@@ -41,9 +42,6 @@ from common import (  # noqa: E402
     timed_steps,
     write_outputs,
 )
-
-from hf_distca import DistCAConfig, enable_distca  # noqa: E402
-from hf_distca.data.baselines import LAYOUTS  # noqa: E402
 
 MODES = ("eager", "compiled")
 
@@ -127,7 +125,13 @@ def main() -> int:
 
 
 def report(results: dict, args, world: int, _config) -> str:
-    cmd = " ".join(["torchrun", f"--nproc-per-node {world}", shlex.join(sys.argv)])
+    cmd = " ".join(
+        [
+            "torchrun",
+            f"--nproc-per-node {world}",
+            shlex.join(["-m", "benchmarks.bench_compile", *sys.argv[1:]]),
+        ]
+    )
     device = (
         torch.cuda.get_device_name() if torch.cuda.is_available() and not args.cpu else "CPU (smoke test)"
     )

@@ -10,26 +10,24 @@ This times ``hf_distca.engine.prepare`` (plan cached, so planning is not in the 
 on realistic layouts: the rebatcher's pieces of micro-batches drawn from a length sample, and a
 synthetic layout with many short pieces. Llama-3-8B attention shapes (32/8 heads x 128), bf16.
 
-    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 benchmarks/bench_consistency.py --out results.md
+    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 -m benchmarks.bench_consistency --out results.md
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import init_nccl, median_ms  # noqa: E402
+from hf_distca import DistCAConfig
+from hf_distca.data.rebatch import layout_pieces
+from hf_distca.engine import prepare, probe
 
-from hf_distca import DistCAConfig  # noqa: E402
-from hf_distca.data.rebatch import layout_pieces  # noqa: E402
-from hf_distca.engine import prepare  # noqa: E402
+from .common import init_nccl, median_ms
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
@@ -61,6 +59,9 @@ def measure(name: str, all_pieces: list, rank: int, iters: int) -> str:
     q = torch.randn(tokens, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(tokens, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     on, off = DistCAConfig(), DistCAConfig(check_consistency=False)
+    probe(
+        on, device=q.device, dtypes=[q.dtype], q_heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM
+    )  # start-up
 
     def fresh(config: DistCAConfig) -> None:
         copy = tuple(tuple(r) for r in all_pieces)  # a new object with the same content: plan cached
@@ -102,7 +103,7 @@ def main() -> int:
             [
                 f"## Consistency check cost, {world} x {torch.cuda.get_device_name()}, NCCL",
                 "",
-                f"Command: `NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node {world} {' '.join(sys.argv)}`",
+                f"Command: `NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node {world} -m benchmarks.bench_consistency {' '.join(sys.argv[1:])}`",
                 "",
                 f"torch {torch.__version__}; {args.tokens_per_rank} tokens per rank, q (T, {HEADS}, {HEAD_DIM}) and "
                 f"k/v (T, {KV_HEADS}, {HEAD_DIM}) bf16; plan cached; milliseconds, median of {args.iters} "

@@ -7,24 +7,22 @@ locally (the straggler: step time = slowest rank) and (b) hf_distca.core_attenti
 sent, and peak memory per rank. Also checks (b) against (a) output and gradients (the local kernel is
 exact for whole documents) in bf16 tolerance, so a fast wrong answer cannot pass.
 
-    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 benchmarks/bench_engine.py --out benchmarks/results/engine_2xh200.md
+    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 -m benchmarks.bench_engine --out benchmarks/results/engine_2xh200.md
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import init_nccl, median_ms  # noqa: E402
+from hf_distca import DistCAConfig, core_attention, local_attention, metrics
+from hf_distca.engine import engine_state, probe
+from hf_distca.planning import plan_core_attention
 
-from hf_distca import DistCAConfig, core_attention, local_attention, metrics  # noqa: E402
-from hf_distca.engine import clear_plan_cache  # noqa: E402
-from hf_distca.planning import plan_core_attention  # noqa: E402
+from .common import init_nccl, median_ms
 
 BF16_TOL = 2e-2  # max |a - b| / max |b|, bf16 vs bf16 with different summation orders
 
@@ -77,6 +75,8 @@ def main() -> int:
     lens = [n for _, _, n in pieces]
     cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
     config = DistCAConfig(tolerance=args.tolerance)
+    probe(config, device=q.device, dtypes=[q.dtype], q_heads=args.heads, kv_heads=args.kv_heads,
+          head_dim=args.head_dim)  # the engine's start-up probes (collective)  # fmt: skip
 
     def local_step():
         out = local_attention(q, k, v, cu, cu, max(lens), max(lens))
@@ -92,7 +92,7 @@ def main() -> int:
     ref_grads = [t.grad.clone() for t in (q, k, v)]
     for t in (q, k, v):
         t.grad = None
-    clear_plan_cache()
+    engine_state().reset()
     metrics.reset()
     out = core_attention(q, k, v, pieces, config=config, all_pieces=layout)
     out.backward(dout)
@@ -106,7 +106,7 @@ def main() -> int:
         layout,
         q_row_bytes=args.heads * args.head_dim * elem,
         kv_row_bytes=2 * args.kv_heads * args.head_dim * elem,
-        config=config,
+        options=config.planner_options(),
     )
     for t in (q, k, v):
         t.grad = None
@@ -127,7 +127,7 @@ def main() -> int:
         lines = [
             f"## Dispatched core attention vs local kernel, {world} x {torch.cuda.get_device_name()}",
             "",
-            f"Command: `NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node {world} benchmarks/bench_engine.py "
+            f"Command: `NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node {world} -m benchmarks.bench_engine "
             f"--long-doc {args.long_doc} --short-doc {args.short_doc} --iters {args.iters}`",
             f"torch {torch.__version__}, bf16, {args.heads} query heads / {args.kv_heads} KV heads x "
             f"{args.head_dim}; rank 0: one {args.long_doc}-token document, other ranks: "

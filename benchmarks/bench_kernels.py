@@ -15,7 +15,7 @@ beyond the inputs (outputs, lse, gradients and workspaces included). Also measur
 plan builds (first call, a new shape) and of rounding plan shapes up (``CudnnOptions.bucket_shapes``
 off vs on).
 
-    python benchmarks/bench_kernels.py --doclens prolong.json --out benchmarks/results/kernels.md
+    python -m benchmarks.bench_kernels --doclens prolong.json --out benchmarks/results/kernels.md
 
 ``--windows 1024 2048 4096 8192``: sliding-window kernels instead: one document of ``--tokens`` tokens
 (64K) as full causal and under each window, every variant, forward and forward+backward TFLOP/s with the
@@ -23,7 +23,7 @@ pairs each window really computes (min(i + 1, W) per query: hf_distca.planning.w
 and the time relative to full causal. ``--smoke`` runs that mode on the CPU with the reference kernel
 and tiny sizes (a check that the script starts, not a measurement).
 
-    python benchmarks/bench_kernels.py --windows 1024 2048 4096 8192 --out benchmarks/results/kernels_window_h200.md
+    python -m benchmarks.bench_kernels --windows 1024 2048 4096 8192 --out benchmarks/results/kernels_window_h200.md
 """
 
 from __future__ import annotations
@@ -41,16 +41,10 @@ from collections.abc import Callable
 
 import torch
 
-try:
-    import hf_distca  # noqa: F401
-except ImportError:  # run from a checkout without installing: the package sits next to benchmarks/
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from hf_distca.planning.cost import FWD_BWD_FLOP_RATIO as FWD_BWD_FACTOR
+from hf_distca.planning.cost import forward_flops_per_pair
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import median_ms, write_report  # noqa: E402
-
-from hf_distca.planning.cost import FWD_BWD_FLOP_RATIO as FWD_BWD_FACTOR  # noqa: E402
-from hf_distca.planning.cost import forward_flops_per_pair  # noqa: E402
+from .common import median_ms, write_report
 
 FWD_FLOPS_PER_PAIR = int(forward_flops_per_pair(1, 1))  # x Hq x D: QK^T and PV, 2 FLOPs per multiply-add each
 VARIANTS = ("torch_varlen", "cudnn:bottom_right", "cudnn:split")
@@ -134,7 +128,7 @@ def server_mix(
         [[tuple(p) for p in rank] for rank in pieces],
         q_row_bytes=32 * 128 * 2,
         kv_row_bytes=2 * 8 * 128 * 2,
-        config=DistCAConfig(),
+        options=DistCAConfig().planner_options(),
     )
     busiest = max(range(servers), key=lambda s: plan.load_after[s])
     tasks = plan.tasks[busiest]
@@ -332,7 +326,7 @@ def windows_main(args, command: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     script_args = sys.argv[1:] if argv is None else argv
-    command = " ".join(shlex.quote(a) for a in ["python", "benchmarks/bench_kernels.py", *script_args])
+    command = " ".join(shlex.quote(a) for a in ["python", "-m", "benchmarks.bench_kernels", *script_args])
     if args.windows and args.smoke:
         return windows_main(args, command)
     if not torch.cuda.is_available():

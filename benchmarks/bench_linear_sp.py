@@ -18,7 +18,7 @@ into ``--out``:
    (forward+backward) on the same token count, documents whole vs cut over ranks;
 6. simulate: the scan at 2-256 ranks from the measured link (hf_distca.linear.simulate).
 
-    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 benchmarks/bench_linear_sp.py --out OUTDIR
+    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 -m benchmarks.bench_linear_sp --out OUTDIR
 
 ``--smoke`` shrinks every size (CPU + gloo works: ``--device cpu --smoke``) to test the script itself.
 """
@@ -37,10 +37,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import median_ms  # noqa: E402
-
-from hf_distca.data import layout_pieces  # noqa: E402
+from hf_distca.data import layout_pieces
 from hf_distca.linear import LINEAR_BACKENDS, LinearSPConfig, linear_attention
 from hf_distca.linear.ops import (
     ScanSpec,
@@ -50,7 +47,9 @@ from hf_distca.linear.ops import (
     scan_backward,
     scan_forward,
 )
-from hf_distca.linear.simulate import LinkModel, best_blocks, chain_scan_time, fit_link
+from hf_distca.linear.simulate import PointToPointLink, best_blocks, chain_scan_time, fit_link
+
+from .common import median_ms
 
 CHECK_TOL = 2e-2  # max |a - b| / max |b| per tensor: bf16/tf32 kernels against the float64 reference
 
@@ -475,7 +474,7 @@ def section_model(ctx) -> tuple[str, dict]:
 
 
 def section_simulate(ctx) -> tuple[str, dict]:
-    link = ctx.get("link") or LinkModel(
+    link = ctx.get("link") or PointToPointLink(
         latency_s=ctx["args"].link_latency_us * 1e-6, bandwidth_Bps=ctx["args"].link_gibps * 2**30
     )
     dim = 128
@@ -571,11 +570,11 @@ def main(argv=None) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     if world < 2:
         raise SystemExit("run with at least 2 processes (torchrun --nproc-per-node 2 ...)")
-    from hf_distca.linear.ops.local import resolve_backend
+    from hf_distca.linear.ops.local import resolve_linear_backend
 
     # the concrete backend per transition ('auto' on a Hopper GPU with Triton 3.4-3.7.0: chunked for delta)
     resolved = ", ".join(
-        f"{kind}: {resolve_backend(args.backend, device, kind=kind)}"
+        f"{kind}: {resolve_linear_backend(args.backend, device, kind=kind)}"
         for kind in ("const", "vector", "delta", "kda")
     )
     ctx = dict(
@@ -598,7 +597,7 @@ def main(argv=None) -> None:
         f"# Sequence-parallel linear attention ({world} x {gpu})\n\n"
         f"torch {torch.__version__}, transformers {transformers.__version__}, fla-core {fla_version}, "
         f"Python {sys.version.split()[0]}; local kernel backend `{resolved}`.\n\n"
-        f"Command: `torchrun --nproc-per-node {world} benchmarks/bench_linear_sp.py {' '.join(sys.argv[1:])}`\n"
+        f"Command: `torchrun --nproc-per-node {world} -m benchmarks.bench_linear_sp {' '.join(sys.argv[1:])}`\n"
     )
     report, results = [header], {}
     for name in sections:

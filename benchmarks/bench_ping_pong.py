@@ -17,7 +17,7 @@ for every length sample and every ``--tokens-per-rank``, the same micro-batches 
   (``DistCABatches(pad_to_budget=False)``, as layer_ping_pong's nano-batches are) instead of padded to
   ``--tokens-per-rank``: what dropping the padding saves without the split;
 - ``signal``: serial with every core-attention exchange replaced by 1-byte messages
-  (hf_distca.comm.signal_only): the same schedule, synchronisation and kernels with (almost) free
+  (benchmarks/signal_only.py): the same schedule, synchronisation and kernels with (almost) free
   communication; the step time ping-pong aims at;
 - ``signal_pp``: ping-pong with 1-byte messages (what splitting the kernels in two costs by itself);
 - ``layer_ping_pong``: DistCAConfig(layer_ping_pong=True): each micro-batch's documents in two nano-batches
@@ -38,7 +38,7 @@ under torch.profiler: the trace (rank 0) is written to ``--trace-dir`` and summa
 (one per layer and pass): its communication kernels' time, how much of it overlapped compute kernels
 (hidden) and how much did not (exposed), and its server kernels' time.
 
-    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 benchmarks/bench_ping_pong.py --layers 8 \\
+    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 -m benchmarks.bench_ping_pong --layers 8 \\
         --tokens-per-rank 32768,65536 --doc-lengths mix --doc-lengths prolong=doclens_prolong.json \\
         --link nvlink --out ping_pong.md --json ping_pong.json --trace-dir traces
 
@@ -59,8 +59,11 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (  # noqa: E402
+from hf_distca import DistCAConfig, enable_distca, forward_nano_batches
+from hf_distca.data.baselines import LAYOUTS
+from hf_distca.data.nano import NANO_BATCHES
+
+from .common import (
     LossModel,
     add_model_arguments,
     add_step_arguments,
@@ -73,12 +76,9 @@ from common import (  # noqa: E402
     step_batches,
     timed_steps,
 )
-from common import write_outputs as write_results  # noqa: E402
-
-from hf_distca import DistCAConfig, enable_distca, forward_nano_batches  # noqa: E402
-from hf_distca.comm import signal_only  # noqa: E402
-from hf_distca.data.baselines import LAYOUTS  # noqa: E402
-from hf_distca.data.nano import NANO_BATCHES  # noqa: E402
+from .common import write_outputs as write_results
+from .signal_only import signal_only
+from .trace_summary import summarize_trace
 
 MODES = (
     "ping_pong", "ping_pong_halves", "layer_ping_pong", "serial", "serial_tight", "signal", "signal_pp",
@@ -172,102 +172,6 @@ def profile_step(model, opt, batch: dict, mode: str, trace_path: str | None, ran
             dst.write(src.read())
     os.remove(raw)
     return summarize_trace(trace)
-
-
-# ----------------------------------------------------------------------------------- trace summary
-def _overlap(interval: tuple[float, float], merged: list[tuple[float, float]]) -> float:
-    a, b = interval
-    return sum(max(0.0, min(b, y) - max(a, x)) for x, y in merged if x < b and y > a)
-
-
-def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[list[float]] = []
-    for a, b in sorted(intervals):
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return [(a, b) for a, b in out]
-
-
-def summarize_trace(trace: dict) -> dict:
-    """A chrome trace of torch.profiler, summarised (times in ms):
-
-    ``calls``: per engine call (pass, index in call order), the stages in the order they started and,
-    with GPU kernels in the trace, ``comm_ms`` (NCCL kernels launched inside the call's ``distca.*``
-    ranges), ``hidden_ms`` (the part of them that ran while some non-NCCL kernel ran), ``exposed_ms``
-    (the rest) and ``server_ms`` (kernels launched inside its compute stages); without GPU kernels (a
-    CPU run), ``wait_ms`` (time blocked in exchanges: the wait stages, and serial dispatch/return) and
-    ``server_ms`` (the compute stages' CPU time).
-    ``nccl``: per NCCL kernel name, its total time and hidden part, whoever launched it (DDP's
-    all-reduce too). ``span_ms``, ``compute_busy_ms``: from the first to the last kernel, and the time
-    in it when some non-NCCL kernel ran (the rest is the compute units' idle time)."""
-    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
-    ranges = sorted(
-        (
-            e
-            for e in events
-            if str(e.get("name", "")).startswith("distca.") and e.get("cat") == "user_annotation"
-        ),
-        key=lambda e: e["ts"],
-    )
-    calls: dict[tuple[str, int], dict] = {}
-    seen: dict[str, int] = {}
-    located = []  # (tid, start, end, call key, stage)
-    for e in ranges:
-        _, phase, stage, *nano = e["name"].split(".")
-        name = ".".join([stage, *nano])
-        first_stage = stage == "dispatch" and nano in ([], ["0"])
-        if first_stage:
-            seen[phase] = seen.get(phase, -1) + 1
-        key = (phase, seen.get(phase, 0))
-        call = calls.setdefault(key, {"pass": phase, "call": key[1], "stages": [], "cpu": {}})
-        call["stages"].append(name)
-        call["cpu"][name] = call["cpu"].get(name, 0.0) + e["dur"] / 1e3
-        located.append((e.get("tid"), e["ts"], e["ts"] + e["dur"], key, stage))
-    kernels = [e for e in events if e.get("cat") == "kernel"]
-    launches = {
-        e["args"]["correlation"]: e
-        for e in events
-        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
-    }
-    summary: dict = {"nccl": {}}
-    if kernels:
-        compute = _merge([(k["ts"], k["ts"] + k["dur"]) for k in kernels if "nccl" not in k["name"].lower()])
-        summary["span_ms"] = (max(k["ts"] + k["dur"] for k in kernels) - min(k["ts"] for k in kernels)) / 1e3
-        summary["compute_busy_ms"] = sum(b - a for a, b in compute) / 1e3
-        for k in kernels:
-            if "nccl" in k["name"].lower():
-                family = summary["nccl"].setdefault(k["name"].split("(")[0], {"ms": 0.0, "hidden_ms": 0.0})
-                family["ms"] += k["dur"] / 1e3
-                family["hidden_ms"] += _overlap((k["ts"], k["ts"] + k["dur"]), compute) / 1e3
-        for call in calls.values():
-            call.update(comm_ms=0.0, hidden_ms=0.0, server_ms=0.0)
-        for k in kernels:
-            launch = launches.get(k.get("args", {}).get("correlation"))
-            if launch is None:
-                continue
-            inside = [r for r in located if r[0] == launch.get("tid") and r[1] <= launch["ts"] <= r[2]]
-            if not inside:
-                continue
-            _, _, _, key, stage = max(inside, key=lambda r: r[1])  # the innermost range
-            call, span = calls[key], (k["ts"], k["ts"] + k["dur"])
-            if "nccl" in k["name"].lower():
-                call["comm_ms"] += k["dur"] / 1e3
-                call["hidden_ms"] += _overlap(span, compute) / 1e3
-            elif stage == "compute":
-                call["server_ms"] += k["dur"] / 1e3
-        for call in calls.values():
-            call["exposed_ms"] = call["comm_ms"] - call["hidden_ms"]
-    else:
-        for call in calls.values():
-            blocking = [n for n in call["cpu"] if n.startswith("wait_") or n in ("dispatch", "return")]
-            call["wait_ms"] = sum(call["cpu"][n] for n in blocking)
-            call["server_ms"] = sum(t for n, t in call["cpu"].items() if n.startswith("compute"))
-    for call in calls.values():
-        del call["cpu"]
-    summary["calls"] = [calls[k] for k in sorted(calls, key=lambda k: (k[0] != "fwd", k[1]))]
-    return summary
 
 
 # ------------------------------------------------------------------------------------------ the run
@@ -412,7 +316,13 @@ def _timeline_rows(calls: list[dict], layers: int) -> list[str]:
 
 
 def report(results: dict, args, world: int, config) -> str:
-    cmd = " ".join(["torchrun", f"--nproc-per-node {world}", shlex.join(sys.argv)])  # empty values quoted
+    cmd = " ".join(
+        [
+            "torchrun",
+            f"--nproc-per-node {world}",
+            shlex.join(["-m", "benchmarks.bench_ping_pong", *sys.argv[1:]]),
+        ]
+    )  # empty values quoted
     device = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "CPU (smoke test)"
     env = []
     if DEVICE.type == "cuda":

@@ -36,7 +36,7 @@ between nodes (else ``--sim-inter-node-gibps``) and ``--ranks-per-node`` GPUs pe
 
 Example (the DistCA sample files are described in the shared data README):
 
-    python benchmarks/bench_planner.py --doclens PATH/doclens_pretrain.json --world 2 8 64 128 512 \
+    python -m benchmarks.bench_planner --doclens PATH/doclens_pretrain.json --world 2 8 64 128 512 \
         --tokens-per-rank 65536 --docs-per-batch 1000 3000 10000 --batches 5 \
         [--link-gib-per-s 23.3 --ranks-per-node 8 --intra-node-gib-per-s 260] [--cost-table TABLE.json]
 """
@@ -46,27 +46,23 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import platform
 import statistics
-import sys
 import time
 
 import numpy as np
 
 from hf_distca import plan_core_attention
 from hf_distca.cli import add_config_arguments, config_from_args
-from hf_distca.config import DistCAConfig
+from hf_distca.config import DistCAConfig, cost_model_from_config
 from hf_distca.data import layout_balanced, plan_global_batches
 from hf_distca.planning import (
     attention_flops_per_pair,
-    cost_model_from_config,
-    link_model_from_config,
+    link_model_from_options,
     plan_critical_path,
 )
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import simulate  # noqa: E402
+from . import sim
 
 
 def global_batches(
@@ -154,17 +150,22 @@ def main(argv: list[str] | None = None) -> None:
     config = config_from_args(args)
     flops = attention_flops_per_pair(args.heads, args.head_dim)
     cost = cost_model_from_config(config)  # "auto" (the default) is causal pairs here: no engine, no GPU
-    link = link_model_from_config(config, cost, flops)
+    link = link_model_from_options(config.planner_options(), cost, flops)
     balance_only = DistCAConfig(**{**config.__dict__, "link_gib_per_s": None})
-    model = simulate.ModelShape(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+    model = sim.ModelShape(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                                 bytes_per_element=args.elem_bytes)  # fmt: skip
-    kernels, linear = simulate.KernelTable.from_kernel_rows(), simulate.LinearCost.from_measurements()
-    links = simulate.Links(config.ranks_per_node or 8, simulate.NVLINK_ALL_TO_ALL,
+    kernels, linear = sim.KernelTable.from_kernel_rows(), sim.LinearCost.from_measurements()
+    links = sim.Links(config.ranks_per_node or 8, sim.NVLINK_ALL_TO_ALL,
                            config.link_gib_per_s or args.sim_inter_node_gibps)  # fmt: skip
 
     def plan(pieces, cfg=config):
         return plan_core_attention(
-            pieces, q_row_bytes=q_row, kv_row_bytes=kv_row, config=cfg, cost_model=cost, flops_per_pair=flops
+            pieces,
+            q_row_bytes=q_row,
+            kv_row_bytes=kv_row,
+            options=cfg.planner_options(),
+            cost_model=cost,
+            flops_per_pair=flops,
         )
 
     plan([[(0, 0, 1)]])  # warm-up
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
             tokens_per_rank_for(n, mean_length, world, config.shard_tokens) for n in args.docs_per_batch or []
         ]
         for per_rank in budgets:
-            setting = simulate.Setting(world, per_rank, model, kernels, links, linear)
+            setting = sim.Setting(world, per_rank, model, kernels, links, linear)
             rows = []
             for num_docs, fill, pieces in global_batches(
                 doclens, world, per_rank, args.batches, args.seed, config.ranks_per_node
@@ -211,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
                 t0 = clock()
                 planned = plan(pieces)
                 seconds = clock() - t0
-                priced = simulate.price_plan(planned, setting)
+                priced = sim.price_plan(planned, setting)
                 step = priced.step_s  # the serial schedule, nothing overlapped
                 cut = len({p.doc_id for rank in pieces for p in rank if p.doc_start > 0})
                 row = [num_docs, fill, cut, planned.imbalance_before, planned.imbalance_after, planned.moves,
@@ -220,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
                 if link is not None:
                     reference = plan(pieces, balance_only)
                     row += [planned.critical_path_before * 1e3, plan_critical_path(reference, link) * 1e3,
-                            planned.critical_path_after * 1e3, simulate.kv_fanout(reference), simulate.kv_fanout(planned)]  # fmt: skip
+                            planned.critical_path_after * 1e3, sim.kv_fanout(reference), sim.kv_fanout(planned)]  # fmt: skip
                 rows.append(row)
             med = [statistics.median(c) for c in zip(*rows)]
             line = (

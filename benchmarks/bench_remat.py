@@ -20,7 +20,7 @@ core-attention kernel runs per step and core-attention bytes sent per step; plus
 attention forward alone for the same batches (all layers), which is what ``remat`` should save per step
 compared with ``recompute``.
 
-    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 benchmarks/bench_remat.py --layers 8 \\
+    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 -m benchmarks.bench_remat --layers 8 \\
         --doc-lengths mix --doc-lengths prolong=data/doclens_prolong.json --out results.md
 """
 
@@ -36,11 +36,11 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
+from hf_distca import DistCAConfig, core_attention, enable_distca
+from hf_distca.data.baselines import LAYOUTS
+from hf_distca.engine import probe
 
-from hf_distca import DistCAConfig, core_attention, enable_distca  # noqa: E402
-from hf_distca.data.baselines import LAYOUTS  # noqa: E402
+from . import common
 
 MODES = ("remat", "recompute", "none")
 DEVICE = torch.device("cuda")
@@ -53,6 +53,15 @@ def attention_forward_seconds(
     """Median over batches of the core-attention forward of all layers (dispatch, kernel, return)."""
     times = []
     config = DistCAConfig(backend=backend)
+    probe(
+        config,
+        group=group,
+        device=DEVICE,
+        dtypes=[DTYPE],
+        q_heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+    )
     for batch in batches:
         tokens = batch["input_ids"].shape[1]
         q = torch.randn(tokens, heads, head_dim, device=DEVICE, dtype=DTYPE)
@@ -178,7 +187,9 @@ def write_outputs(results: dict, args, world: int, config) -> str:
 
 
 def report(results: dict, args, world: int, config) -> str:
-    cmd = " ".join(["torchrun", f"--nproc-per-node {world}", shlex.join(sys.argv)])  # empty values quoted
+    cmd = " ".join(
+        ["torchrun", f"--nproc-per-node {world}", shlex.join(["-m", "benchmarks.bench_remat", *sys.argv[1:]])]
+    )  # empty values quoted
     device = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "CPU (smoke test)"
     lines = [
         f"## Checkpointing modes, {world} x {device}, {args.model} ({args.layers} layers)",

@@ -20,15 +20,14 @@ checkpointing for sdpa (``--checkpointing none`` turns both off). Reported: medi
 rank) after ``--warmup``, peak memory, tokens per second; a mode that fails (e.g. SDPA's 64K x 64K masks
 out of memory) is reported as its error.
 
-    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 1 benchmarks/bench_window_step.py --layers 6 \\
+    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 1 -m benchmarks.bench_window_step --layers 6 \\
         --tokens-per-rank 65536 --out benchmarks/results/window_step_h200.md
-    python benchmarks/bench_window_step.py --cpu   # smoke test: tiny-gemma3 on the CPU
+    python -m benchmarks.bench_window_step --cpu   # smoke test: tiny-gemma3 on the CPU
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import sys
 import traceback
@@ -37,25 +36,18 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
+import hf_distca
+from hf_distca import DistCAConfig, enable_distca
+from hf_distca.data.baselines import LAYOUTS
 
-import hf_distca  # noqa: E402
-from hf_distca import DistCAConfig, enable_distca  # noqa: E402
-from hf_distca.data.baselines import LAYOUTS  # noqa: E402
+from . import common
 
 MODES = ("distca", "cut-to-window", "sdpa")
 
 
 def recipe_config(name: str, layers: int, vocab: int):
     """The recipe's built-in config ``name`` with ``layers`` decoder layers (layer types re-derived)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "recipe", os.path.join(common.ROOT, "recipes", "finetune_long_docs.py")
-    )
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
+    recipe = common.load_recipe()
     vocab = max(recipe.BUILTIN_MODELS[name].get("vocab_size", vocab), vocab)
     return recipe.builtin_config(name, num_hidden_layers=layers, vocab_size=vocab)
 
@@ -131,7 +123,7 @@ def main() -> int:
             torch.cuda.empty_cache()
     if rank == 0:
         command = shlex.join(
-            ["torchrun", f"--nproc-per-node={world}", "benchmarks/bench_window_step.py", *sys.argv[1:]]
+            ["torchrun", f"--nproc-per-node={world}", "-m", "benchmarks.bench_window_step", *sys.argv[1:]]
         )
         local = sum(w is not None for w in windows)
         lines = [

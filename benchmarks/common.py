@@ -1,12 +1,11 @@
 """What the benchmarks share: the recipe's models and document samples, the timed training step, timing
-helpers and result files. Imported by the scripts of this directory (``import common`` with this directory
-first on ``sys.path``, as running a script puts it)."""
+helpers and result files. Imported by the scripts of this package (``from .common import ...``)."""
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import importlib
+import importlib.util
 import json
 import os
 import statistics
@@ -73,11 +72,20 @@ def add_step_arguments(p: argparse.ArgumentParser, *, steps: int = 3) -> None:
 
 
 def load_recipe():
-    """recipes/finetune_long_docs.py as a module (the recipes are scripts: imported from their folder)."""
-    recipes = os.path.join(ROOT, "recipes")
-    if recipes not in sys.path:
-        sys.path.insert(0, recipes)
-    return importlib.import_module("finetune_long_docs")
+    """recipes/finetune_long_docs.py as a module. The recipes are scripts, not a package: the one already
+    imported under its file name (e.g. by a test's preloaded server) is reused, else it is loaded from its
+    file and registered under that name."""
+    name = "finetune_long_docs"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "recipes", f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # before running it, as an import does
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return sys.modules[name]
 
 
 def recipe_model_shape(name: str) -> dict:

@@ -1,6 +1,6 @@
 """Summarise recipe runs side by side from their metrics.jsonl files (a markdown table).
 
-python benchmarks/compare_runs.py ddp=outputs/ddp fsdp2=outputs/fsdp2 --skip 2 --baseline ddp
+python -m benchmarks.compare_runs ddp=outputs/ddp fsdp2=outputs/fsdp2 --skip 2 --baseline ddp
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ mkdir -p "$out"
 source "$(dirname "$0")/gpu_env.sh"
 
 echo "== torch.compile of each decoder layer vs eager"
-timeout 300 torchrun --nproc-per-node 1 benchmarks/bench_compile.py --layers "$layers" \
+timeout 300 torchrun --nproc-per-node 1 -m benchmarks.bench_compile --layers "$layers" \
     --out "$out/compile_1xh200.md" --json "$out/compile_1xh200.json" > "$out/bench_compile.log" 2>&1
 echo "rc=$?" >> "$out/bench_compile.log"; tail -8 "$out/bench_compile.log"
 

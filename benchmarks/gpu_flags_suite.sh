@@ -26,7 +26,7 @@ for run in distca local; do
     echo "rc=$?" >> "$out/recipe_$run.log"; tail -3 "$out/recipe_$run.log"
 done
 echo "== engine level: bench_remat, remat+cudnn vs recompute+torch_varlen"
-timeout 300 torchrun --nproc-per-node 1 benchmarks/bench_remat.py --layers "$layers" --tokens-per-rank "$tokens" \
+timeout 300 torchrun --nproc-per-node 1 -m benchmarks.bench_remat --layers "$layers" --tokens-per-rank "$tokens" \
     --doc-lengths "sample=$lengths" --backends cudnn,torch_varlen --skip-none-for sample \
     --out "$out/remat.md" --json "$out/remat.json" > "$out/remat.log" 2>&1
 echo "rc=$?" >> "$out/remat.log"; tail -12 "$out/remat.log"

@@ -30,6 +30,6 @@ echo "rc=$?" >> "$out/pytest_gpu.log"; tail -25 "$out/pytest_gpu.log"
 echo "== kernel benchmark"
 doclens=()
 if [ $# -gt 0 ]; then doclens=(--doclens "$@"); fi
-timeout 150 python3 benchmarks/bench_kernels.py --out "$out/kernels.md" "${doclens[@]}" > "$out/bench_kernels.log" 2>&1
+timeout 150 python3 -m benchmarks.bench_kernels --out "$out/kernels.md" "${doclens[@]}" > "$out/bench_kernels.log" 2>&1
 echo "rc=$?" >> "$out/bench_kernels.log"; grep -v '^|' "$out/bench_kernels.log" | tail -30
 cat "$out/kernels.md" 2>/dev/null

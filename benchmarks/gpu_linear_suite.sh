@@ -14,6 +14,6 @@ source "$(dirname "$0")/gpu_env.sh"
 echo "== chunked and fla kernels vs the float64 reference (tests/test_gpu_linear.py)"
 timeout 400 python -m pytest -q -rs -p no:cacheprovider tests/test_gpu_linear.py > "$out/pytest_gpu_linear.log" 2>&1
 echo "rc=$?" >> "$out/pytest_gpu_linear.log"; tail -3 "$out/pytest_gpu_linear.log"
-timeout 420 torchrun --nproc-per-node 2 benchmarks/bench_linear_sp.py --out "$out" > "$out/bench_linear_sp.log" 2>&1
+timeout 420 torchrun --nproc-per-node 2 -m benchmarks.bench_linear_sp --out "$out" > "$out/bench_linear_sp.log" 2>&1
 echo "rc=$?" >> "$out/bench_linear_sp.log"
 tail -5 "$out/bench_linear_sp.log"

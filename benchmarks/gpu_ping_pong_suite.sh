@@ -26,7 +26,7 @@ mkdir -p "$out/traces"
 # shellcheck source=benchmarks/gpu_env.sh
 source "$(dirname "$0")/gpu_env.sh"
 export TOKENIZERS_PARALLELISM=false
-bench=(benchmarks/bench_ping_pong.py --layers "$layers" --tokens-per-rank 32768,65536 --doc-lengths mix
+bench=(-m benchmarks.bench_ping_pong --layers "$layers" --tokens-per-rank 32768,65536 --doc-lengths mix
        --doc-lengths "prolong=$prolong" --trace-dir "$out/traces")
 want() { [ "$phase" = all ] || [ "$phase" = "$1" ]; }
 
@@ -49,7 +49,7 @@ if want p2p; then
 fi
 if want group; then
   echo "== attention exchanges on the world group (shared with DDP's all-reduce)"
-  timeout 300 torchrun --nproc-per-node 2 benchmarks/bench_ping_pong.py --layers "$layers" --tokens-per-rank 65536 \
+  timeout 300 torchrun --nproc-per-node 2 -m benchmarks.bench_ping_pong --layers "$layers" --tokens-per-rank 65536 \
       --doc-lengths mix --modes ping_pong,serial --profile ping_pong --attn-group world --link nvlink \
       --trace-dir "$out/traces/world_group" --out "$out/ping_pong_group.md" > "$out/ping_pong_group.log" 2>&1
   echo "rc=$?" >> "$out/ping_pong_group.log"; tail -6 "$out/ping_pong_group.log"
@@ -74,7 +74,7 @@ if want parallel; then
       labels+=("zero3-$pp=$runs/zero3-$pp")
     fi
   done
-  python benchmarks/compare_runs.py "${labels[@]}" --skip 1 --baseline ddp-no-ping-pong \
+  python -m benchmarks.compare_runs "${labels[@]}" --skip 1 --baseline ddp-no-ping-pong \
       --title "Ping-pong under DDP / FSDP2 / ZeRO-3, Llama-3-8B-shaped (2 layers), 2 x 16K tokens, bf16" \
       > "$out/parallelisms_ping_pong.md" 2>>"$log"
   cat "$out/parallelisms_ping_pong.md"

@@ -18,7 +18,7 @@ export TOKENIZERS_PARALLELISM=false
 samples=(--doc-lengths mix --doc-lengths "prolong=$prolong")
 
 echo "== 1 GPU: none / recompute / remat"
-timeout 300 torchrun --nproc-per-node 1 benchmarks/bench_remat.py --layers "$layers" "${samples[@]}" \
+timeout 300 torchrun --nproc-per-node 1 -m benchmarks.bench_remat --layers "$layers" "${samples[@]}" \
     --out "$out/remat_1gpu.md" --json "$out/remat_1gpu.json" > "$out/remat_1gpu.log" 2>&1
 echo "rc=$?" >> "$out/remat_1gpu.log"; tail -16 "$out/remat_1gpu.log"
 
@@ -35,11 +35,11 @@ print(",".join(names) if results else "mix,prolong")
 EOF
 )
 echo "== 2 GPUs: none / recompute / remat (no 'none' for: ${skip:-nothing})"
-timeout 300 torchrun --nproc-per-node 2 benchmarks/bench_remat.py --layers "$layers" "${samples[@]}" \
+timeout 300 torchrun --nproc-per-node 2 -m benchmarks.bench_remat --layers "$layers" "${samples[@]}" \
     --skip-none-for "$skip" --out "$out/remat_2gpu.md" --json "$out/remat_2gpu.json" > "$out/remat_2gpu.log" 2>&1
 echo "rc=$?" >> "$out/remat_2gpu.log"; tail -16 "$out/remat_2gpu.log"
 
 echo "== consistency check cost (2 GPUs, NCCL)"
-timeout 120 torchrun --nproc-per-node 2 benchmarks/bench_consistency.py --doc-lengths "$prolong" \
+timeout 120 torchrun --nproc-per-node 2 -m benchmarks.bench_consistency --doc-lengths "$prolong" \
     --out "$out/consistency_2gpu.md" > "$out/consistency_2gpu.log" 2>&1
 echo "rc=$?" >> "$out/consistency_2gpu.log"; tail -12 "$out/consistency_2gpu.log"

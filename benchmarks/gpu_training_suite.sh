@@ -22,15 +22,15 @@ step() { echo "== $1" | tee -a "$log"; shift; timeout "${STEP_TIMEOUT:-300}" "$@
 step "DDP" torchrun --nproc-per-node 2 $recipe $par --output-dir $runs/ddp
 step "FSDP2" accelerate launch --config_file accelerate_configs/fsdp2_1node.yaml $recipe $par --output-dir $runs/fsdp2
 step "ZeRO-3" torchrun --nproc-per-node 2 $recipe $par --deepspeed accelerate_configs/ds_zero3.json --output-dir $runs/zero3
-step "ZeRO-3 first step" torchrun --nproc-per-node 2 benchmarks/zero3_first_step.py --out "$out"
-python benchmarks/compare_runs.py ddp=$runs/ddp fsdp2=$runs/fsdp2 zero3=$runs/zero3 --skip 0 \
+step "ZeRO-3 first step" torchrun --nproc-per-node 2 -m benchmarks.zero3_first_step --out "$out"
+python -m benchmarks.compare_runs ddp=$runs/ddp fsdp2=$runs/fsdp2 zero3=$runs/zero3 --skip 0 \
     --title "DDP / FSDP2 / ZeRO-3, Llama-3-8B-shaped (2 layers), 2 x 16K tokens, bf16" > "$out/parallelisms.md" 2>>"$log"
 cat "$out/parallelisms.md"
 speed="--model llama3-8b-shaped --num-layers 4 --tokens-per-rank 32768 --max-steps 7 --bf16 --no-save --seed 2 \
        --gradient-checkpointing --num-documents 400 --mean-doc-words 2500 --max-doc-words 45000 --learning-rate 1e-5"
 step "DistCA" torchrun --nproc-per-node 2 $recipe $speed --attn distca --output-dir $runs/distca
 step "local" torchrun --nproc-per-node 2 $recipe $speed --attn local --output-dir $runs/local
-python benchmarks/compare_runs.py local=$runs/local distca=$runs/distca --skip 2 --baseline local \
+python -m benchmarks.compare_runs local=$runs/local distca=$runs/distca --skip 2 --baseline local \
     --title "Step time, DDP on 2 GPUs, Llama-3-8B-shaped (4 layers), 2 x 32K tokens, bf16, gradient checkpointing" \
     > "$out/step_time.md" 2>>"$log"
 cat "$out/step_time.md"

@@ -24,9 +24,9 @@ run() {  # name timeout command...
 }
 run test_gpu_window 100 python3 -m pytest -q -rs --timeout=90 -p no:cacheprovider tests/test_gpu.py \
     -k "sliding_window or compiled"
-run kernels_window 110 python3 benchmarks/bench_kernels.py --windows 1024 2048 4096 8192 --tokens 65536 \
+run kernels_window 110 python3 -m benchmarks.bench_kernels --windows 1024 2048 4096 8192 --tokens 65536 \
     --out "$out/kernels_window_h200.md"
-run window_step 200 torchrun --nproc-per-node 1 benchmarks/bench_window_step.py --layers 6 \
+run window_step 200 torchrun --nproc-per-node 1 -m benchmarks.bench_window_step --layers 6 \
     --tokens-per-rank 65536 --out "$out/window_step_h200.md"
 run test_gpu_linear 90 python3 -m pytest -q -rs --durations=8 --timeout=80 -p no:cacheprovider \
     tests/test_gpu_linear.py

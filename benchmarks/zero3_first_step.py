@@ -1,6 +1,6 @@
 """Why ZeRO-3's first-step loss differed from DDP's: initial weights and first-step losses side by side.
 
-    torchrun --nproc-per-node 2 benchmarks/zero3_first_step.py --out OUTDIR
+    torchrun --nproc-per-node 2 -m benchmarks.zero3_first_step --out OUTDIR
 
 Builds the recipe's random-init model (``recipes/finetune_long_docs.py: build_model``, default
 Llama-3-8B-shaped with 2 layers, bf16, seed 1) three ways on every rank and compares them:
@@ -33,8 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ROOT, load_recipe  # noqa: E402
+from .common import ROOT, load_recipe
 
 
 def checksums(model) -> dict[str, dict]:
@@ -225,7 +224,7 @@ def main(argv=None) -> int:
                 f"{world} x {gpu}; Python {platform.python_version()}, torch {torch.__version__}, "
                 f"transformers {transformers.__version__}, deepspeed {deepspeed.__version__}"
             ),
-            "command": "torchrun --nproc-per-node 2 benchmarks/zero3_first_step.py " + " ".join(sys.argv[1:]),
+            "command": "torchrun --nproc-per-node 2 -m benchmarks.zero3_first_step " + " ".join(sys.argv[1:]),
             "world_size": world,
             "tokens": args.tokens,
             "num_tensors": len(sums["ddp"]),

@@ -1,7 +1,5 @@
 """hf_distca: core attention disaggregation for Hugging Face Transformers."""
 
-__version__ = "0.1.0"
-
 from hf_distca import metrics
 from hf_distca.attention import distca_attention_forward, enable_distca
 from hf_distca.callback import DistCACallback
@@ -11,6 +9,7 @@ from hf_distca.engine import InconsistentInputError, core_attention, local_atten
 from hf_distca.nano_batches import forward_nano_batches, nano_batch_loss
 from hf_distca.planning import CATask, CorePlan, Piece, PieceError, plan_core_attention
 from hf_distca.trainer import DistCATrainer, DistCATrainerMixin
+from hf_distca.version import __version__
 
 __all__ = [
     "CATask",

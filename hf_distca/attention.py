@@ -9,7 +9,8 @@ forwards the 2-D padding mask, so padded batches can be unpadded here). Models t
 Three modes:
 
 - local (default): each process computes causal attention of its own batch, document by document,
-  with no communication. Document boundaries come from :mod:`hf_distca.packing`.
+  with no communication. Document boundaries come from :mod:`hf_distca.attention_inputs`, once per
+  forward.
 - decoding with a KV cache (``model.generate()``, or any forward whose keys outnumber its queries):
   local too; each batch row is one sequence whose queries are its last positions, attended causally
   over the whole cache (bottom-right aligned), padding masked.
@@ -17,16 +18,14 @@ Three modes:
   object with ``pieces`` and ``all_pieces``, produced by the integration layer) runs the balanced
   engine :func:`hf_distca.engine.core_attention` over the runtime's process group.
 
-This is glue only: no policy lives here. Features the kernels cannot compute exactly are refused by
-:mod:`hf_distca.features` instead of being silently ignored.
+This is glue only: no policy lives here (the planner's price of the model's layers:
+:mod:`hf_distca.engine.pricing`; the engine's probes: :mod:`hf_distca.engine.probes`). Features the kernels
+cannot compute exactly are refused by :mod:`hf_distca.features` instead of being silently ignored.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import warnings
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -35,19 +34,15 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from hf_distca.attention_inputs import local_batch, padding_mask, past_batch
+from hf_distca.comm import collective_device, group_rank_world
 from hf_distca.config import DistCAConfig
 from hf_distca.data.nano import NANO_BATCHES
-from hf_distca.engine import core_attention, interleave, local_attention
+from hf_distca.engine import EngineState, core_attention, engine_state, interleave, local_attention, probe
 from hf_distca.engine.compiled import compiled_core_attention, compiled_local_attention, register_runtime
+from hf_distca.engine.pricing import with_layer_pricing
 from hf_distca.features import UnsupportedFeatureError, check_attention_call
-from hf_distca.packing import (
-    Unpadded,
-    cu_seqlens_from_lengths,
-    packed_document_lengths,
-    scatter_rows,
-    unpad,
-)
-from hf_distca.planning.links import layer_seconds_per_token
+from hf_distca.packing import Unpadded, scatter_rows
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -74,11 +69,14 @@ class LayoutLike(Protocol):
 
 @dataclass(frozen=True)
 class DistCARuntime:
-    """Process group and engine config used by every attention module of a model (see :func:`enable_distca`)."""
+    """Process group, engine config and engine state used by every attention module of a model (see
+    :func:`enable_distca`)."""
 
     group: Any = None
     """Attention-server process group; None: the world (when torch.distributed is initialized)."""
     config: DistCAConfig = field(default_factory=DistCAConfig)
+    state: EngineState = field(default_factory=engine_state, compare=False, repr=False)
+    """What the engine remembers between calls (plans, checked layouts, probe results, ...): the process's."""
     key: int = field(init=False, compare=False, repr=False)
     """Names the runtime inside ``torch.compile`` (:func:`hf_distca.engine.compiled.register_runtime`)."""
 
@@ -86,12 +84,17 @@ class DistCARuntime:
         object.__setattr__(self, "key", register_runtime(self))
 
     def __deepcopy__(self, memo: dict) -> DistCARuntime:
-        # process groups cannot be copied; a deep-copied model shares the runtime (it holds no state)
+        # process groups cannot be copied; a deep-copied model shares the runtime (and its engine state)
         return self
 
 
 def enable_distca(
-    model: torch.nn.Module, *, group: Any = None, config: DistCAConfig | None = None
+    model: torch.nn.Module,
+    *,
+    group: Any = None,
+    config: DistCAConfig | None = None,
+    dtype: torch.dtype | None = None,
+    probe: bool = True,
 ) -> DistCARuntime:
     """Attach a :class:`DistCARuntime` to every submodule of ``model`` so that the ``distca`` attention
     function finds it through the module it is called with; return the runtime.
@@ -103,23 +106,20 @@ def enable_distca(
     replaces the runtime. The model must use ``attn_implementation="distca"``.
 
     Under ``config.layer_ping_pong`` with ``layer_seconds_per_token`` None, the runtime's config gets it
-    derived from the model's decoder layer (:func:`decoder_layer_weights`) at ``config.layer_tflops``.
+    derived from the model's decoder layer (:func:`hf_distca.engine.pricing.with_layer_pricing`).
+
+    On several ranks it runs the engine's start-up probes the config asks for
+    (:func:`hf_distca.engine.probe`: ``measure_link``; ``cost_table="auto"`` on CUDA, for the model's
+    head shape and attention inputs of its parameters' dtype and of ``dtype``, the dtype its attention
+    layers compute in under autocast; without ``dtype``, float32 parameters are probed for bfloat16 and
+    float16 too), collectively: call it on every rank of ``group`` together. ``probe=False`` skips them:
+    for a model whose forwards never carry a ``distca_layout`` (the attention function runs locally,
+    only ``config.backend`` applies).
     """
-    config = config if config is not None else DistCAConfig()
-    if config.layer_ping_pong and config.layer_seconds_per_token is None:
-        weights = decoder_layer_weights(model)
-        if weights is None:
-            warnings.warn(
-                "enable_distca: layer_ping_pong is on but the seconds per token of a decoder layer could not "
-                "be derived from this model (no decoder layer list found, or mixture-of-experts layers): the "
-                "planner prices every transfer as exposed; give DistCAConfig(layer_seconds_per_token=...) "
-                "(~4e-6 for a Llama-3-8B-shaped layer on an H200)",
-                stacklevel=2,
-            )
-        else:
-            seconds = layer_seconds_per_token(weights, config.layer_tflops)
-            config = dataclasses.replace(config, layer_seconds_per_token=seconds)
+    config = with_layer_pricing(config if config is not None else DistCAConfig(), model)
     runtime = DistCARuntime(group=group, config=config)
+    if probe:
+        _probe(runtime, model, dtype)
     for module in model.modules():
         setattr(module, RUNTIME_ATTR, runtime)
     impl = getattr(getattr(model, "config", None), "_attn_implementation", ATTN_IMPLEMENTATION)
@@ -132,27 +132,28 @@ def enable_distca(
     return runtime
 
 
-MOE_CONFIG_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-"""Model config fields that mark mixture-of-experts layers (a few experts of many run per token)."""
-
-
-def decoder_layer_weights(model: torch.nn.Module) -> int | None:
-    """Weights of the matmuls (parameters of 2 or more dimensions: projections, MLP) of ``model``'s first
-    decoder layer, the first module list as long as its (text) config's ``num_hidden_layers``. None when
-    there is none, when it holds no such weight, or for mixture-of-experts models (every expert's weights
-    would count; a few run per token). Counts the full shapes of parameters sharded by FSDP2 (DTensor) or
-    partitioned by ZeRO-3 (``ds_shape``)."""
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "get_text_config"):
-        config = config.get_text_config()
-    layers = getattr(config, "num_hidden_layers", None)
-    if not layers or any(getattr(config, name, None) for name in MOE_CONFIG_FIELDS):
-        return None
-    for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) == layers:
-            shapes = [getattr(p, "ds_shape", p.shape) for p in module[0].parameters()]
-            return sum(math.prod(shape) for shape in shapes if len(shape) >= 2) or None
-    return None
+def _probe(runtime: DistCARuntime, model: torch.nn.Module, dtype: torch.dtype | None) -> None:
+    """The engine's start-up probes for ``model``'s attention (see :func:`enable_distca`): on the model's
+    CUDA device, else where the group's collectives run (a model still on the CPU under NCCL); for its
+    parameters' dtype and ``dtype``, or, without ``dtype``, for float32 parameters also the half types
+    autocast may compute in."""
+    weight = next(model.parameters(), None)
+    device = weight.device if weight is not None else torch.device("cpu")
+    if device.type != "cuda" and group_rank_world(runtime.group)[1] > 1:
+        device = collective_device(runtime.group, device)
+    dtypes = [weight.dtype] if weight is not None else []
+    if dtype is not None:
+        dtypes.append(dtype)
+    elif dtypes == [torch.float32]:
+        dtypes += [torch.bfloat16, torch.float16]
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "get_text_config"):
+        cfg = cfg.get_text_config()
+    heads = getattr(cfg, "num_attention_heads", None)
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or (getattr(cfg, "hidden_size", 0) // heads if heads else None)
+    probe(runtime.config, group=runtime.group, device=device, dtypes=dtypes, q_heads=heads, kv_heads=kv_heads,
+          head_dim=head_dim, state=runtime.state)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------
@@ -201,131 +202,6 @@ def distca_padding_mask(
     return mask
 
 
-# --------------------------------------------------------------------------------------------------
-# document boundaries, cached across the layers of one forward (every layer receives the same
-# tensors; deriving boundaries needs a host synchronisation we want once per forward, not per layer)
-
-
-@dataclass
-class _LocalBatch:
-    lengths: list[int]
-    unpadded: Unpadded | None
-    max_len: int
-    cu_seqlens: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    def cu(self, device: torch.device) -> torch.Tensor:
-        key = str(device)
-        if key not in self.cu_seqlens:
-            self.cu_seqlens[key] = cu_seqlens_from_lengths(self.lengths, device=device)
-        return self.cu_seqlens[key]
-
-
-class _OneSlotCache:
-    """Remembers the value derived from the last set of source tensors (identity + version checked)."""
-
-    def __init__(self) -> None:
-        self._key: tuple | None = None
-        self._refs: tuple = ()
-        self._value: Any = None
-
-    @staticmethod
-    def _fingerprint(sources: tuple) -> tuple | None:
-        parts = []
-        for t in sources:
-            if t is None:
-                parts.append(None)
-                continue
-            if not isinstance(t, torch.Tensor):
-                return None  # e.g. offsets given as a list: cheap to re-derive, not cached
-            try:
-                parts.append((id(t), t._version))
-            except RuntimeError:  # inference tensors have no version counter: do not cache
-                return None
-        return tuple(parts)
-
-    def get(self, shape: tuple, sources: tuple) -> Any:
-        fp = self._fingerprint(sources)
-        if fp is None or self._key != (shape, fp):
-            return None
-        for ref, t in zip(self._refs, sources):
-            if ref is not None and ref() is not t:
-                return None
-        return self._value
-
-    def put(self, shape: tuple, sources: tuple, value: Any) -> None:
-        fp = self._fingerprint(sources)
-        if fp is None:
-            return
-        self._key = (shape, fp)
-        self._refs = tuple(weakref.ref(t) if isinstance(t, torch.Tensor) else None for t in sources)
-        self._value = value
-
-
-_batch_cache = _OneSlotCache()  # _LocalBatch of the last forward without past keys
-_past_cache = _OneSlotCache()  # _PastBatch of the last forward with past keys
-
-
-def _padding_mask(
-    attention_mask: torch.Tensor | None, batch: int, seq: int, kv_len: int | None = None
-) -> torch.Tensor | None:
-    """The 2-D padding mask (B, n) with seq <= n <= kv_len (see :func:`distca_padding_mask`), or None.
-
-    ``kv_len``: the number of keys (default ``seq``: no past keys). Refuses 4-D and additive masks."""
-    kv_len = seq if kv_len is None else kv_len
-    if attention_mask is None:
-        return None
-    if attention_mask.dim() != 2:
-        raise ValueError(
-            f"attn_implementation='distca' got a {attention_mask.dim()}-D attention mask of shape "
-            f"{tuple(attention_mask.shape)}; distca builds causality and document boundaries itself. Pass a 2-D "
-            "padding mask (batch, seq) or none (for packed batches use DataCollatorWithFlattening), or use "
-            "attn_implementation='sdpa' for custom masks"
-        )
-    if attention_mask.is_floating_point():
-        raise ValueError(
-            "attn_implementation='distca' expects a boolean or 0/1 integer padding mask, got dtype "
-            f"{attention_mask.dtype}; pass the tokenizer's attention_mask unchanged"
-        )
-    if attention_mask.shape[0] != batch or not seq <= attention_mask.shape[1] <= kv_len:
-        raise ValueError(
-            f"padding mask shaped {tuple(attention_mask.shape)} does not fit a batch of {batch} rows with {seq} "
-            f"queries and {kv_len} keys: it must be (batch, n) with {seq} <= n <= {kv_len} (the tokens so far, "
-            "past keys included)"
-        )
-    return attention_mask
-
-
-def _local_batch(batch: int, seq: int, mask: torch.Tensor | None, kwargs: dict) -> _LocalBatch:
-    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    position_ids = kwargs.get("position_ids")
-    sources = (mask, cu_q, cu_k, position_ids)
-    hit = _batch_cache.get((batch, seq), sources)
-    if hit is not None:
-        return hit
-    if mask is not None and bool(mask.bool().all()):
-        mask = None  # a mask that masks nothing: fall back to packing kwargs / position ids
-    if mask is not None:
-        if cu_q is not None or cu_k is not None:
-            raise ValueError(
-                "got both a padding attention_mask and packed-sequence kwargs (cu_seq_lens_q/k); pass one: "
-                "packed batches from DataCollatorWithFlattening need no attention_mask"
-            )
-        unpadded = unpad(mask)
-        lengths = unpadded.lengths
-    else:
-        unpadded = None
-        lengths = packed_document_lengths(
-            batch, seq, cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k, position_ids=position_ids
-        )
-    value = _LocalBatch(
-        lengths=lengths,
-        unpadded=unpadded,
-        max_len=max(lengths, default=0),
-    )
-    _batch_cache.put((batch, seq), sources, value)
-    return value
-
-
 def _flat(x: torch.Tensor) -> torch.Tensor:
     b, h, s, d = x.shape
     return x.transpose(1, 2).reshape(b * s, h, d)  # (B, H, S, D) -> (B * S, H, D)
@@ -347,7 +223,7 @@ def _run_local(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    local: _LocalBatch,
+    local: Any,
     scale: float | None,
     config: DistCAConfig,
     kwargs: dict,
@@ -379,6 +255,12 @@ def _config(module: torch.nn.Module) -> DistCAConfig:
     return runtime.config if runtime is not None else _DEFAULT_CONFIG
 
 
+def _state(module: torch.nn.Module) -> EngineState:
+    """The engine state of ``module``'s runtime (the process's without one)."""
+    runtime = getattr(module, RUNTIME_ATTR, None)
+    return runtime.state if runtime is not None else engine_state()
+
+
 def _run_distributed(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -396,7 +278,7 @@ def _run_distributed(
             f"with a distca_layout the batch must be one packed row (1, S), got batch size {batch}; "
             "use DataCollatorWithFlattening / the distca collator"
         )
-    mask = _padding_mask(attention_mask, batch, seq)
+    mask = padding_mask(attention_mask, batch, seq)
     if mask is not None and not bool(mask.bool().all()):
         raise ValueError("with a distca_layout the packed row must not be padded; drop the attention_mask")
     out = core_attention(
@@ -408,6 +290,7 @@ def _run_distributed(
         config=runtime.config,
         scale=scaling,
         all_pieces=layout.all_pieces,  # the same object for every layer: ranks are checked once per layout
+        state=runtime.state,
         **_score_options(kwargs),  # this layer's window, softcap, sinks
     )  # (S, Hq, D)
     interleave.attention_done(module)  # a nano-batch resumes the rest of its layer
@@ -418,51 +301,8 @@ def _run_distributed(
 # past keys (KV-cache decoding): each row is one sequence, its queries the last positions of its keys
 
 
-@dataclass
-class _PastBatch:
-    q_index: torch.Tensor | None
-    """(T_q,) rows of the valid queries in the flattened (B * S_q) queries; None: every query is valid."""
-    kv_index: torch.Tensor | None
-    """(T_k,) rows of the valid keys in the flattened (B * n) keys; None: every key is valid."""
-    q_lengths: list[int]
-    kv_lengths: list[int]
-    """Per batch row: its valid queries and keys (both 0 for a row with no valid query)."""
-    cu_q: torch.Tensor
-    cu_k: torch.Tensor
-
-
-def _past_batch(batch: int, seq: int, n: int, mask: torch.Tensor | None, device: torch.device) -> _PastBatch:
-    """Varlen offsets of B sequences of ``n`` keys whose queries are the last ``seq`` positions.
-
-    The valid queries of a row are exactly its last valid keys, so bottom-right causal attention over
-    the unpadded row is causal attention over the row, padding excluded, whatever the padding pattern."""
-    sources = (mask,)
-    hit = _past_cache.get((batch, seq, n, str(device)), sources)
-    if hit is not None:
-        return hit
-    if mask is None:
-        q_lengths, kv_lengths = [seq] * batch, [n] * batch
-        q_index = kv_index = None
-    else:
-        valid = mask.to(device=device, dtype=torch.bool)  # (B, n)
-        query_valid = valid[:, n - seq :]  # (B, S_q)
-        valid = valid & query_valid.any(dim=1, keepdim=True)  # a row without valid queries drops out
-        queries, keys = unpad(query_valid), unpad(valid)
-        q_index, kv_index = queries.indices, keys.indices
-        q_lengths, kv_lengths = queries.lengths, keys.lengths
-    value = _PastBatch(
-        q_index=q_index,
-        kv_index=kv_index,
-        q_lengths=q_lengths,
-        kv_lengths=kv_lengths,
-        cu_q=cu_seqlens_from_lengths(q_lengths, device=device),
-        cu_k=cu_seqlens_from_lengths(kv_lengths, device=device),
-    )
-    _past_cache.put((batch, seq, n, str(device)), sources, value)
-    return value
-
-
 def _run_with_past(
+    state: EngineState,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -473,7 +313,7 @@ def _run_with_past(
 ) -> torch.Tensor:
     """Causal attention of queries (B, Hq, S_q, D) over keys (B, Hkv, S_k, D), S_q <= S_k; no communication.
 
-    ``mask``: None or (B, n) as returned by :func:`_padding_mask`; keys from n on are unused cache slots.
+    ``mask``: None or (B, n) as returned by :func:`hf_distca.attention_inputs.padding_mask`; keys from n on are unused cache slots.
     Returns (B, S_q, Hq, D), zeros at padded queries."""
     if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
         raise ValueError(
@@ -482,7 +322,7 @@ def _run_with_past(
         )
     batch, num_heads, seq, head_dim = query.shape
     n = key.shape[2] if mask is None else mask.shape[1]
-    past = _past_batch(batch, seq, n, mask, query.device)
+    past = past_batch(state, batch, seq, n, mask, query.device)
     q = _flat(query)  # (B * S_q, Hq, D)
     k, v = _flat(key[:, :, :n]), _flat(value[:, :, :n])  # (B * n, Hkv, D)
     if past.q_index is not None:
@@ -612,11 +452,12 @@ def distca_attention_forward(
         return out, None
 
     config = _config(module)
-    mask = _padding_mask(attention_mask, batch, seq, key.shape[2])
+    state = _state(module)
+    mask = padding_mask(attention_mask, batch, seq, key.shape[2])
     if key.shape[2] != seq or (mask is not None and mask.shape[1] != seq):
-        return _run_with_past(query, key, value, mask, scaling, config, kwargs), None
+        return _run_with_past(state, query, key, value, mask, scaling, config, kwargs), None
 
-    local = _local_batch(batch, seq, mask, kwargs)
+    local = local_batch(state, batch, seq, mask, kwargs)
     q, k, v = _flat(query), _flat(key), _flat(value)  # (B * S, H, D)
     if local.unpadded is not None:
         idx = local.unpadded.indices

@@ -1,21 +1,18 @@
-"""DistCACallback: every DistCA setting of a Trainer run, and its per-step metrics.
+"""DistCACallback: every DistCA setting of a Trainer run.
 
 It owns the data path (global token-budget batches rebatched over the ranks), the attention-server
-group (the data-parallel ranks of Accelerate's device mesh, see :func:`hf_distca.validation.attention_server_group`), pre-flight checks and per-step metrics (``metrics.jsonl`` and a PNG
-of per-rank attention load). Callbacks cannot change the Trainer's training dataloader, so it works
+group (the data-parallel ranks of Accelerate's device mesh, see
+:func:`hf_distca.validation.attention_server_group`), pre-flight checks, the engine's start (its
+probes, at ``on_train_begin``) and the run's per-step records (:mod:`hf_distca.step_records`:
+``metrics.jsonl`` and a PNG of per-rank attention load). Callbacks cannot change the Trainer's training dataloader, so it works
 together with :class:`hf_distca.DistCATrainer`, which hands it the Trainer's documented extension
 points (``get_train_dataloader``, ``training_step``, ``log``); see :mod:`hf_distca.trainer`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
-import json
-import os
-import statistics
-import time
 
 import torch
 from transformers import TrainerCallback
@@ -26,10 +23,9 @@ from hf_distca.checkpointing import switch_trainer_checkpointing
 from hf_distca.comm import all_gather_rows
 from hf_distca.config import DistCAConfig
 from hf_distca.data.loader import DistCABatches, DistCADataLoader, TokenDocuments
-from hf_distca.data.rebatch import LayoutFn, layout_balanced, layout_pieces
-from hf_distca.engine import prefetch
-from hf_distca.features import layer_windows
-from hf_distca.planning import forward_flops_per_pair, imbalance
+from hf_distca.data.rebatch import LayoutFn, layout_balanced
+from hf_distca.engine import engine_state
+from hf_distca.step_records import StepRecords
 from hf_distca.validation import (
     attention_server_group,
     check_backend_runs,
@@ -46,9 +42,6 @@ NEEDS_DISTCA_TRAINER = (
     "or add the callback to a DistCATrainer with trainer.add_callback(...). For plain Accelerate loops use "
     "hf_distca.data.DistCABatches and hf_distca.enable_distca instead."
 )
-
-# EngineStats counter -> metrics record key, where the field name alone would not say what it counts
-_RECORD_KEYS = {"calls": "engine_calls"}
 
 
 class DistCACallback(TrainerCallback):
@@ -115,17 +108,10 @@ class DistCACallback(TrainerCallback):
         self.pad_token_id = pad_token_id
         self.recompute_attention = recompute_attention
         self.layout = layout
-        self.records: list[dict] = []
-        """The records of the current ``train()`` call (identical on every rank)."""
         self.batches: DistCABatches | None = None
         self._trainer = None
-        self._unlogged: list[dict] = []
-        self._step_start = 0.0
-        self._step_loss: torch.Tensor | None = None
-        self._layers = 0
-        self._flops_per_pair = 0.0
         self._group = None
-        self._windows: list[int | None] = []  # per layer, for the attention load before balancing
+        self._records = StepRecords(metrics_file, plot_file, balanced=disaggregate)
 
     # ------------------------------------------------------------------ DistCATrainer's side
     def attach(self, trainer, *, args=None, model=None) -> None:
@@ -188,7 +174,7 @@ class DistCACallback(TrainerCallback):
             )
         self.batches = batches
         if self.disaggregate and self.config.prefetch_plans:
-            prefetch.start()  # its start overlaps the model's set-up; train() waits for it
+            engine_state().prefetcher.start()  # its start overlaps the model's set-up; train() waits for it
 
     def train_dataloader(self) -> DistCADataLoader:
         """This rank's DistCA micro-batches, for ``Trainer.get_train_dataloader``."""
@@ -196,26 +182,22 @@ class DistCACallback(TrainerCallback):
 
     def record_loss(self, loss: torch.Tensor) -> None:
         """One micro-batch's loss as ``Trainer.training_step`` returns it (summed over the step)."""
-        loss = loss.detach()
-        self._step_loss = loss if self._step_loss is None else self._step_loss + loss
+        self._records.add_loss(loss)
 
     def log_figures(self) -> dict[str, float]:
-        """The figures added to the Trainer's logs (keys ``distca/...``): each record field averaged
-        over the optimizer steps since the previous log; per-rank lists as ``<field>_max`` (the
-        busiest rank) and ``<field>_mean`` (over ranks). Empty when no step ran since the last log."""
-        window, self._unlogged = self._unlogged, []
-        if not window:
-            return {}
-        figures = {}
-        for key, value in window[0].items():
-            if key in ("step", "loss") or value is None or isinstance(value, bool):
-                continue
-            if isinstance(value, list):
-                figures[f"distca/{key}_max"] = statistics.fmean(max(r[key]) for r in window)
-                figures[f"distca/{key}_mean"] = statistics.fmean(statistics.fmean(r[key]) for r in window)
-            elif isinstance(value, (int, float)):
-                figures[f"distca/{key}"] = statistics.fmean(r[key] for r in window)
-        return figures
+        """The figures added to the Trainer's logs (see :meth:`hf_distca.step_records.StepRecords.log_figures`)."""
+        return self._records.log_figures()
+
+    @property
+    def records(self) -> list[dict]:
+        """The records of the current ``train()`` call (identical on every rank)."""
+        return self._records.records
+
+    @property
+    def summary(self) -> dict:
+        """Mean imbalances over the steps recorded by the current ``train()`` call (see
+        :attr:`hf_distca.step_records.StepRecords.summary`)."""
+        return self._records.summary
 
     # ------------------------------------------------------------------ Trainer events
     def on_init_end(self, args, state, control, model=None, **kwargs):
@@ -228,23 +210,19 @@ class DistCACallback(TrainerCallback):
         if self._trainer is None or self.batches is None:
             raise RuntimeError(NEEDS_DISTCA_TRAINER)
         _check_same_documents(self.batches.documents.lengths)
+        metrics.reset()
         if getattr(getattr(model, "config", None), "_attn_implementation", None) == "distca":
-            # also without disaggregation: the attention function runs the config's kernel backend
-            enable_distca(model, group=self._group, config=self.config)
+            # also without disaggregation: the attention function runs the config's kernel backend; the
+            # engine's probes run here, on every rank, only when the engine will run
+            dtype = _compute_dtype(args, model)
+            enable_distca(model, group=self._group, config=self.config, dtype=dtype, probe=self.disaggregate)
         if self.disaggregate and self.config.prefetch_plans:
-            prefetch.start(wait=True)  # no plan of the run falls back to inline for want of the worker
+            # no plan of the run falls back to inline for want of the worker
+            engine_state().prefetcher.start(wait=True)
         if not self.recompute_attention:
             switch_trainer_checkpointing(model, args)  # after the Trainer enabled checkpointing
-        cfg = getattr(model, "config", None)
-        heads = getattr(cfg, "num_attention_heads", 0) or 0
-        head_dim = getattr(cfg, "head_dim", None) or (getattr(cfg, "hidden_size", 0) // max(heads, 1))
-        self._layers = getattr(cfg, "num_hidden_layers", 0) or 0
-        self._windows = layer_windows(cfg) if cfg is not None else []
-        self._flops_per_pair = forward_flops_per_pair(heads, head_dim)
-        self.records, self._unlogged = [], []
-        if args.process_index == 0 and self.metrics_file:
-            self._start_metrics_file(args, state.global_step)
-        metrics.reset()
+        startup = metrics.snapshot(reset=True)
+        self._records.begin(args, state.global_step, getattr(model, "config", None), startup)
         return control
 
     def on_epoch_begin(self, args, state, control, **kwargs):
@@ -253,96 +231,17 @@ class DistCACallback(TrainerCallback):
         return control
 
     def on_step_begin(self, args, state, control, **kwargs):
-        metrics.reset()
-        self._step_loss = None
-        self._step_start = time.perf_counter()
+        self._records.step_begin()
         return control
 
     def on_step_end(self, args, state, control, **kwargs):
-        stats = metrics.snapshot(reset=True)
-        elapsed = time.perf_counter() - self._step_start
-        world = max(args.world_size, 1)
-        grad_accum = args.gradient_accumulation_steps
-        counters = {
-            f.name: getattr(stats, f.name)
-            for f in dataclasses.fields(stats)
-            if isinstance(getattr(stats, f.name), (int, float))
-            and not isinstance(getattr(stats, f.name), bool)
-        }
-        int_names = [k for k, v in counters.items() if isinstance(v, int)]
-        float_names = [k for k, v in counters.items() if not isinstance(v, int)]
-        loss = float(self._step_loss) if self._step_loss is not None else float("nan")
-        ints = all_gather_rows([counters[k] for k in int_names])
-        floats = all_gather_rows([elapsed, loss, *(counters[k] for k in float_names)], dtype=torch.float64)
-        step, windows = self.batches.current_step, self._windows  # every layer's pairs, its own window
-        before = [p * self._flops_per_pair for p in self.batches.layout_load(step, windows=windows)]
-        token_layout = self.batches.layout_load(step, layout=layout_pieces, windows=windows)
-        if stats.flops_after and stats.calls:
-            # the engine sums every call, recomputes included: scale to one forward per layer and micro-batch
-            scale = self._layers * grad_accum / stats.calls
-            after = [f * scale for f in stats.flops_after]
-        else:  # attention stayed on each rank: nothing was moved
-            after = list(before)
-        record = {
-            "step": state.global_step,
-            # the Trainer's reduction of its loss: mean over ranks of the summed micro-batch losses
-            "loss": statistics.fmean(row[1] for row in floats),
-            "tokens": self.tokens_per_rank * world * grad_accum,
-            "step_time_s": max(row[0] for row in floats),
-            "attn_flops_before": before,
-            "attn_flops_after": after,
-            "imbalance_before": imbalance(before),
-            "imbalance_after": imbalance(after),
-            # the same documents placed by the token-only rebatcher (whole documents where they fit)
-            "imbalance_token_layout": imbalance(token_layout),
-        }
-        for i, name in enumerate(int_names):
-            record[_RECORD_KEYS.get(name, name)] = [int(row[i]) for row in ints]
-        for i, name in enumerate(float_names):
-            record[_RECORD_KEYS.get(name, name)] = [float(row[2 + i]) for row in floats]
-        self.records.append(record)
-        self._unlogged.append(record)
-        if args.process_index == 0 and self.metrics_file:
-            with open(os.path.join(args.output_dir, self.metrics_file), "a") as f:
-                f.write(json.dumps(record) + "\n")
+        tokens = self.tokens_per_rank * max(args.world_size, 1) * args.gradient_accumulation_steps
+        self._records.step_end(args, state.global_step, self.batches, tokens)
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
-        if args.process_index == 0 and self.plot_file:
-            records = self.records
-            if self.metrics_file:  # the whole run, also the steps before a resume
-                records = _read_records(os.path.join(args.output_dir, self.metrics_file))
-            if records:
-                from hf_distca.plotting import plot_attention_load
-
-                plot_attention_load(
-                    records, os.path.join(args.output_dir, self.plot_file), balanced=self.disaggregate
-                )
+        self._records.finish(args)
         return control
-
-    def _start_metrics_file(self, args, global_step: int) -> None:
-        """A fresh file, or on resume the records up to the checkpoint's step (later ones were
-        written by the interrupted run after that checkpoint and are trained again)."""
-        path = os.path.join(args.output_dir, self.metrics_file)
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        kept = [r for r in _read_records(path) if r["step"] <= global_step] if global_step > 0 else []
-        with open(path, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in kept)
-
-    @property
-    def summary(self) -> dict:
-        """Mean imbalances over the steps recorded by the current ``train()`` call: with the token-only
-        layout, with this run's layout (before planning) and after planning."""
-        if not self.records:
-            return {}
-        n = len(self.records)
-        return {
-            "steps": n,
-            "imbalance_before": sum(r["imbalance_before"] for r in self.records) / n,
-            "imbalance_after": sum(r["imbalance_after"] for r in self.records) / n,
-            "imbalance_token_layout": sum(r["imbalance_token_layout"] for r in self.records) / n,
-            "final_loss": self.records[-1]["loss"],
-        }
 
 
 def _compute_dtype(args, model) -> torch.dtype:
@@ -352,13 +251,6 @@ def _compute_dtype(args, model) -> torch.dtype:
     if getattr(args, "fp16", False):
         return torch.float16
     return next(model.parameters()).dtype
-
-
-def _read_records(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def _check_same_documents(lengths: list[int]) -> None:

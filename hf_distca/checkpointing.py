@@ -1,174 +1,31 @@
-"""Rematerialization-aware activation checkpointing: recompute a layer, never its core attention.
+"""Rematerialization-aware activation checkpointing for Transformers models: recompute a layer, never its
+core attention.
 
-Plain activation checkpointing (``torch.utils.checkpoint``, non-reentrant, as Transformers uses it)
-re-runs each decoder layer in backward to refill the tensors its operations saved; for ``distca`` that
-means dispatching, computing and returning core attention a second time — the most expensive FLOPs and
-most of the bytes of a long-context step. Non-reentrant checkpoint runs the ORIGINAL graph's backward
-nodes; the recompute only refills their saved tensors, in save order, and checks their count and
-metadata. So the attention operators (:mod:`hf_distca.engine.op`) save exactly (q, k, v, out) with
-``save_for_backward`` and keep the log-sum-exp as an attribute, and this module passes a
-``context_fn`` to checkpoint that
-
-- in the forward context: collects each attention call's output and log-sum-exp in a frame that
-  belongs to this one checkpoint call (created by ``context_fn``, shared by its two contexts only);
-- in the recompute context: hands them back, in call order, to the attention calls of the recompute,
-  which then run a replay of the operator that saves the same four tensors (the recomputed q, k, v
-  and the kept output) and returns the kept output, with no attention kernel and no communication.
-
-The attention backward kernel is then the only core attention that runs in backward. Per layer this
-keeps the attention output (T x Hq x D, the size of the layer's input) and the log-sum-exp (T x Hq,
-float32) from forward to backward, in addition to the layer input that checkpointing keeps anyway.
-
-Use :func:`enable_remat_checkpointing` (the Trainer callback does it by default), or pass
-:func:`remat_checkpointing_kwargs` as ``gradient_checkpointing_kwargs``.
+The mechanism (what a checkpoint keeps and hands back) is the engine's, :mod:`hf_distca.engine.remat`;
+this module turns it on: :func:`enable_remat_checkpointing` for a model (the Trainer callback does it by
+default, :func:`switch_trainer_checkpointing`), or :func:`remat_checkpointing_kwargs` as
+``gradient_checkpointing_kwargs``.
 """
 
 from __future__ import annotations
 
-import threading
 import types
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts, noop_context_fn
+from torch.utils.checkpoint import noop_context_fn
+
+from hf_distca.engine.remat import remat_context_fn, traced
 
 __all__ = [
-    "SavedAttention",
+    "checkpointing_enabled",
     "enable_remat_checkpointing",
     "remat_checkpointing_kwargs",
-    "remat_context_fn",
     "switch_trainer_checkpointing",
     "unwrap_kernelized_forwards",
 ]
-
-
-@dataclass(frozen=True)
-class SavedAttention:
-    """One attention call's result, kept from the forward for its recompute."""
-
-    out: torch.Tensor
-    """The output (detached: the frame never holds the autograd graph)."""
-    lse: torch.Tensor
-    """The log-sum-exp the backward kernel needs (in the runner's kernel row order)."""
-    runner: Any
-    """What the operator's backward needs to run (the engine's prepared plan, or the local offsets)."""
-
-
-class _Frame:
-    """The attention results of one checkpoint call, in call order."""
-
-    def __init__(self) -> None:
-        self.saved: list[SavedAttention] = []
-        self.cursor = 0
-
-
-_FORWARD, _RECOMPUTE = "forward", "recompute"
-_state = threading.local()
-
-
-def _stack() -> list[tuple[str, _Frame]]:
-    if not hasattr(_state, "stack"):
-        _state.stack = []
-    return _state.stack
-
-
-class _FrameContext:
-    """Makes ``frame`` the current frame in ``mode`` while active (innermost checkpoint wins)."""
-
-    def __init__(self, mode: str, frame: _Frame) -> None:
-        self.mode, self.frame = mode, frame
-
-    def __enter__(self) -> _FrameContext:
-        if self.mode == _RECOMPUTE:
-            self.frame.cursor = 0  # a second backward over a retained graph recomputes again
-        _stack().append((self.mode, self.frame))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        _stack().pop()
-
-
-def _save_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """Selective-checkpointing policy inside torch.compile: keep the attention ops' outputs (output and
-    log-sum-exp), recompute the rest of the layer."""
-    from hf_distca.engine.compiled import attention_forward_ops  # the engine imports this module
-
-    return CheckpointPolicy.MUST_SAVE if op in attention_forward_ops() else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _traced() -> bool:
-    """Whether a checkpoint called now is being traced for torch.compile: torch.utils.checkpoint then asks its
-    ``context_fn`` for two TorchDispatchModes, exactly when a proxy mode is active. torch < 2.13 does not
-    report that through ``torch.compiler.is_compiling()`` while AOTAutograd traces a checkpoint inside the
-    compiled region (Transformers >= 5.25 checkpoints inside each decoder layer's forward, so compiling a
-    layer traces it), hence the same test as torch's own."""
-    if torch.compiler.is_compiling():
-        return True
-    proxy = getattr(torch._C, "_TorchDispatchModeKey", None)
-    return proxy is not None and torch._C._get_dispatch_mode(proxy.PROXY) is not None
-
-
-TRACED_REMAT_MIN_TORCH = (2, 13)
-"""The oldest torch whose Inductor compiles the backward of a rematerialization-aware checkpoint traced
-inside a compiled region (torch 2.11's fails on the attention statistics' plan-sized rows)."""
-
-
-def _check_traced_remat_supported() -> None:
-    version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
-    if version < TRACED_REMAT_MIN_TORCH:
-        raise RuntimeError(
-            f"rematerialization-aware checkpointing traced inside torch.compile needs torch >= "
-            f"{'.'.join(map(str, TRACED_REMAT_MIN_TORCH))}, this is torch {torch.__version__} (Transformers >= 5.25 "
-            "checkpoints inside each decoder layer's forward, so compiling a layer or the model traces the "
-            "checkpoint). Upgrade torch, or checkpoint with plain recompute (DistCACallback(recompute_attention=True)), "
-            "or leave the model uncompiled"
-        )
-
-
-def remat_context_fn() -> tuple[Any, Any]:
-    """``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: a fresh frame
-    and its (forward, recompute) context managers. Inside torch.compile (which traces checkpoint with
-    selective-checkpointing contexts only) the same effect through torch's public selective checkpointing:
-    the engine's compiled attention ops (:mod:`hf_distca.engine.compiled`) are saved, never recomputed."""
-    if _traced():
-        _check_traced_remat_supported()
-        return create_selective_checkpoint_contexts(_save_attention)
-    frame = _Frame()
-    return _FrameContext(_FORWARD, frame), _FrameContext(_RECOMPUTE, frame)
-
-
-def keep_for_recompute(out: torch.Tensor, lse: torch.Tensor, runner: Any) -> None:
-    """Called by the attention operators after a real forward: keep the result when a rematerialization-
-    aware checkpoint is recording (no-op otherwise)."""
-    stack = _stack()
-    if stack and stack[-1][0] == _FORWARD:
-        stack[-1][1].saved.append(SavedAttention(out.detach(), lse, runner))
-
-
-def take_saved_attention(rows: int) -> SavedAttention | None:
-    """Inside a rematerialization-aware recompute: the next kept attention result (for a call with
-    ``rows`` query rows); None outside one."""
-    stack = _stack()
-    if not stack or stack[-1][0] != _RECOMPUTE:
-        return None
-    frame = stack[-1][1]
-    if frame.cursor >= len(frame.saved):
-        raise RuntimeError(
-            f"rematerialization-aware checkpointing: the recompute calls attention {frame.cursor + 1} times but "
-            f"the forward called it {len(frame.saved)} times; the checkpointed function must be deterministic. "
-            "Use plain recompute (DistCACallback(recompute_attention=True) / no context_fn) for this model"
-        )
-    saved = frame.saved[frame.cursor]
-    frame.cursor += 1
-    if saved.out.shape[0] != rows:
-        raise RuntimeError(
-            f"rematerialization-aware checkpointing: the recompute's attention call has {rows} query rows but the "
-            f"forward's had {saved.out.shape[0]}; the checkpointed function must see the same inputs"
-        )
-    return saved
 
 
 class _Both:
@@ -195,7 +52,7 @@ class _Both:
 
 def _composed(user_context_fn: Callable[[], tuple[Any, Any]]) -> Callable[[], tuple[Any, Any]]:
     def context_fn() -> tuple[_Both, _Both]:
-        if _traced():
+        if traced():
             raise RuntimeError(
                 "rematerialization-aware checkpointing with your own checkpoint context_fn cannot run inside "
                 "torch.compile (it traces one selective-checkpointing context only); drop the context_fn, or use "

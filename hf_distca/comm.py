@@ -15,8 +15,7 @@ in between overlap the transfer. On the CPU (gloo) the exchange runs on gloo's w
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,23 +137,6 @@ def chain(first: Exchange, then: Callable[[torch.Tensor], Exchange] | None = Non
     return Chain([first, second], started)
 
 
-_signal_only = False
-
-
-@contextlib.contextmanager
-def signal_only() -> Iterator[None]:
-    """For benchmarks only: inside, every :func:`all_to_all_v` sends one byte to each rank instead of its
-    payload and returns a zero-filled receive buffer of the right size. A step then keeps its schedule,
-    its synchronisation between ranks and its kernels, with (almost) free communication: the reference
-    that overlapping communication can at best reach. The results are wrong; never train with it."""
-    global _signal_only
-    previous, _signal_only = _signal_only, True
-    try:
-        yield
-    finally:
-        _signal_only = previous
-
-
 def all_to_all_v(
     send: torch.Tensor,
     send_splits: list[int],
@@ -174,8 +156,6 @@ def all_to_all_v(
         raise ValueError(
             f"send splits sum to {sum(send_splits)} but the buffer holds {send.numel()} elements"
         )
-    if _signal_only:
-        return _signal(send, recv_splits, group, async_op, phase)
     send = send.contiguous()
     recv = send.new_empty(sum(recv_splits))
     work = dist.all_to_all_single(
@@ -189,15 +169,3 @@ def all_to_all_v(
     elem = send.element_size()
     metrics.record_bytes(sum(send_splits) * elem, sum(recv_splits) * elem, phase)
     return Exchange(recv=recv, send=send, work=work if async_op else None)
-
-
-def _signal(
-    send: torch.Tensor, recv_splits: list[int], group: Any, async_op: bool, phase: str | None
-) -> Exchange:
-    """One byte to and from every rank (see :func:`signal_only`); the received payload reads as zeros."""
-    world = len(recv_splits)
-    flags = torch.zeros(2 * world, dtype=torch.uint8, device=send.device)  # [sent | received]
-    work = dist.all_to_all_single(flags[world:], flags[:world], group=group, async_op=async_op)
-    metrics.record_bytes(world, world, phase)
-    recv = send.new_zeros(sum(recv_splits))
-    return Exchange(recv=recv, send=flags, work=work if async_op else None)

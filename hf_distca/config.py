@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass
 
-# The one list of kernel backend names: "auto", then every backend in the order "auto" prefers them.
-KERNEL_BACKENDS = ("auto", "cudnn", "torch_varlen", "flash_attn", "reference")
-# How ping-pong splits a micro-batch's core attention (see hf_distca.planning.nano).
-PING_PONG_SPLITS = ("local_first", "halves")
+from hf_distca.kernels import KERNEL_BACKENDS
+from hf_distca.planning.cost import CausalPairsCost, MeasuredCost
+from hf_distca.planning.options import PlannerOptions
+from hf_distca.planning.ping_pong import PING_PONG_SPLITS
+
 # DistCAConfig fields that change how a plan is run or checked, never the plan itself.
 RUN_ONLY_FIELDS = (
     "backend",
@@ -27,10 +29,6 @@ ATTENTION_FUNCTION_FIELDS = ("backend",)  # the distca attention function's, wit
 DATA_PATH_FIELDS = ("pad_to_budget", "ranks_per_node")  # the data path's layouts, whatever the attention
 # DistCAConfig.cost_table's value for "the measured table of this device, dtype, head shape and kernel".
 COST_TABLE_AUTO = "auto"
-BALANCE_ONLY_TOLERANCE = 0.1
-"""DistCAConfig.tolerance None's value when communication is not priced (``link_gib_per_s`` None)."""
-PRICED_TOLERANCE = 0.02
-"""DistCAConfig.tolerance None's value when communication is priced (``link_gib_per_s`` given or measured)."""
 
 
 @dataclass(frozen=True)
@@ -65,7 +63,8 @@ class DistCAConfig:
     """What the planner balances. ``"auto"`` (the default): on CUDA tensors, measured kernel time: the
     table shipped in :mod:`hf_distca.cost_tables` for this GPU model, dtype, head shape and resolved kernel
     backend when there is one (1 x H200, bf16, 32/8 heads x 128, cudnn and torch_varlen), else one measured
-    at the first engine call on the training GPUs (a reduced grid: 3-7 s on an H200 at 32/8 x 128; see
+    before the first engine call on the training GPUs (by :func:`hf_distca.engine.probe`, which
+    :func:`hf_distca.enable_distca` runs; a reduced grid: 3-7 s on an H200 at 32/8 x 128; see
     :mod:`hf_distca.engine.cost_probe`; every rank plans with the ranks' mean); causal (query, key) pairs
     on the CPU, on one process without a shipped table, and with the reference kernel. A path: the measured
     CA-task time table in that JSON file (written by ``python -m hf_distca.calibrate --out PATH`` on the
@@ -114,10 +113,10 @@ class DistCAConfig:
     the work it flies behind)``: this x the nano-batch's tokens per rank (a quarter in forward) or its mean
     core-attention seconds per server (the other nano-batch's work, taken equal to this one's: the split,
     :func:`hf_distca.data.nano.split_documents`, gives them about equal estimated cost); see
-    :func:`hf_distca.planning.links.hiding_window`. On an H200 with a Llama-3-8B-shaped layer
-    (hidden 4096, MLP 14336) ~4e-6 (benchmarks/simulate.py's fit of DESIGN.md's measurements). None
-    (the default): :func:`hf_distca.enable_distca` (which ``DistCACallback`` calls) derives it from the
-    model's decoder layer, its weights at ``layer_tflops``
+    :func:`hf_distca.planning.links.with_hiding_work`. On an H200 with a Llama-3-8B-shaped layer
+    (hidden 4096, MLP 14336) ~4e-6 (the simulator's fit of the H200 measurements named in
+    benchmarks/sim/costs.py; docs/architecture.md, "Benchmarks and the simulator"). None (the default): :func:`hf_distca.enable_distca` (which
+    ``DistCACallback`` calls) derives it from the model's decoder layer, its weights at ``layer_tflops``
     (:func:`hf_distca.planning.links.layer_seconds_per_token`), when ``layer_ping_pong`` is on; left
     None (a model whose decoder layers it cannot find), every transfer is priced exposed (times
     ``1 - comm_overlap``)."""
@@ -144,7 +143,8 @@ class DistCAConfig:
     None: unbounded."""
 
     measure_link: bool = False
-    """With ``link_gib_per_s`` None: measure it at the first engine call on each process group (a warm-up
+    """With ``link_gib_per_s`` None: measure it once per process group before the first engine call
+    (:func:`hf_distca.engine.probe`, which :func:`hf_distca.enable_distca` runs; a warm-up
     and a timed all-to-all of 8 MiB per rank to the ranks in other nodes, or all others, then an
     all-reduce so that every rank plans with the slowest rank's figure) and price communication with it.
     Plans then depend on a measurement: runs can differ in their plans, never in their results."""
@@ -155,7 +155,7 @@ class DistCAConfig:
     of hanging or planning differently. One small collective per micro-batch; must be equal on all ranks."""
 
     ping_pong: bool | None = False
-    """Split each micro-batch's core attention into two nano-batches whose exchanges run asynchronously
+    """Split each micro-batch's core attention into ping-pong parts whose exchanges run asynchronously
     while the other one's server kernel runs, in forward and backward (same results). True: always (on
     the CPU it runs the same schedule over gloo); None: on for CUDA tensors, off elsewhere; False (the
     default until its CUDA schedule has been checked over NCCL and measured on 2+ GPUs): never. Only calls
@@ -164,7 +164,7 @@ class DistCAConfig:
     ping_pong_split: str = "local_first"
     """How ping-pong splits each server's work, one of PING_PONG_SPLITS: 'local_first': the work that
     needs no exchange in two halves around the work that does (whose exchanges fly during those halves);
-    'halves': two nano-batches of equal work, each with its own exchanges (the first one's dispatch and
+    'halves': two parts of equal work, each with its own exchanges (the first one's dispatch and
     the second one's return are not hidden)."""
 
     layer_ping_pong: bool = False
@@ -180,7 +180,7 @@ class DistCAConfig:
     """Plan each micro-batch in a background process while the one before it computes, so that planning
     leaves the training step's critical path (the planner is pure Python: seconds per step at hundreds of
     servers with priced links). The data path of ``DistCACallback`` / ``DistCABatches`` hands each coming
-    micro-batch's layouts to :func:`hf_distca.engine.prefetch.prefetch_plans`, which plans them in every
+    micro-batch's layouts to :meth:`hf_distca.engine.prefetch.Prefetcher.prefetch_plans`, which plans them in every
     context the engine planned in so far (head shape, window, cost model); the engine takes those plans
     (the same plans: planning is deterministic) instead of planning. Costs one extra process per rank
     (started with the trainer, or the loader's iteration). Off: each micro-batch is planned at its first
@@ -199,10 +199,14 @@ class DistCAConfig:
     @property
     def balance_tolerance(self) -> float:
         """The tolerance the planner balances to: ``tolerance``, or for None ``PRICED_TOLERANCE`` when
-        communication is priced (``link_gib_per_s`` set) and ``BALANCE_ONLY_TOLERANCE`` otherwise."""
-        if self.tolerance is not None:
-            return self.tolerance
-        return BALANCE_ONLY_TOLERANCE if self.link_gib_per_s is None else PRICED_TOLERANCE
+        communication is priced (``link_gib_per_s`` set) and ``BALANCE_ONLY_TOLERANCE`` otherwise (both in
+        :mod:`hf_distca.planning.options`, which resolves it)."""
+        return self.planner_options().balance_tolerance
+
+    def planner_options(self) -> PlannerOptions:
+        """What the planner is told of this config: the fields of
+        :class:`~hf_distca.planning.options.PlannerOptions`, which keep these fields' names."""
+        return PlannerOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(PlannerOptions)})
 
     def plan_fields(self) -> tuple[tuple[str, object], ...]:
         """(name, value) of every field that can change the plan (all but ``RUN_ONLY_FIELDS``): what a
@@ -247,8 +251,6 @@ class DistCAConfig:
                     f"DistCAConfig.cost_table={self.cost_table!r} is not a file; write it with "
                     f"python -m hf_distca.calibrate --out {self.cost_table}"
                 )
-            from hf_distca.planning.cost import cost_model_from_config
-
             cost_model_from_config(self)  # a malformed table raises here, naming the file
         for name in ("link_gib_per_s", "intra_node_gib_per_s"):
             value = getattr(self, name)
@@ -312,3 +314,31 @@ class DistCAConfig:
             raise ValueError(
                 f"DistCAConfig.ping_pong_split must be one of {PING_PONG_SPLITS}, got {self.ping_pong_split!r}"
             )
+
+
+def cost_model_from_config(
+    config: DistCAConfig, window: int | None = None, auto_table: MeasuredCost | None = None
+) -> CausalPairsCost | MeasuredCost:
+    """The cost model ``config`` asks for (:mod:`hf_distca.planning.cost`), for a layer with this sliding
+    ``window`` (None: full causal).
+
+    ``config.cost_table`` None: :class:`~hf_distca.planning.cost.CausalPairsCost`; a path:
+    :class:`~hf_distca.planning.cost.MeasuredCost` of that table, loaded once per file version (path,
+    modification time, size) and shared by later calls; ``"auto"``: ``auto_table``, the table the engine
+    resolved for the device, dtype, head shape and kernel (:mod:`hf_distca.engine.cost_probe`), or causal
+    pairs when it is None (CPU tensors, no engine)."""
+    path = config.cost_table
+    if path == COST_TABLE_AUTO:
+        return (_PAIRS if auto_table is None else auto_table).with_window(window)
+    if path is None:
+        return _PAIRS.with_window(window)
+    stat = os.stat(path)
+    return _load_table(os.path.abspath(path), stat.st_mtime_ns, stat.st_size).with_window(window)
+
+
+_PAIRS = CausalPairsCost()
+
+
+@functools.lru_cache(maxsize=8)
+def _load_table(path: str, mtime_ns: int, size: int) -> MeasuredCost:
+    return MeasuredCost.from_json(path)

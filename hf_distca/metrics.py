@@ -7,11 +7,12 @@ rank sent (received) for core attention: dispatch and return in forward, their m
 and any recompute; ``phase_bytes`` the same per phase of the traffic ledger
 (:data:`hf_distca.planning.traffic.PHASES`, as the engine's stages name their exchanges). ``attn_fwd_kernels`` counts core-attention forward kernel runs on this rank (one per
 engine call that has work for this server, one per local call); a rematerialization-aware recompute
-(:mod:`hf_distca.checkpointing`) runs none and counts as ``attn_replays`` instead.
+(:mod:`hf_distca.engine.remat`) runs none and counts as ``attn_replays`` instead.
 """
 
 from __future__ import annotations
 
+import copy
 import threading
 from dataclasses import dataclass, field
 
@@ -41,6 +42,11 @@ class EngineStats:
     plan_seconds: float = 0.0
     """Seconds the engine's thread spent on plans: planning, or waiting for a prefetched plan, and
     building the dispatch index (the critical-path cost of planning)."""
+    probes: int = 0
+    """Start-up probe rounds run (link and kernel cost: :func:`hf_distca.engine.probes.probe`, collective,
+    before the first engine call; never inside a layer's call)."""
+    probe_seconds: float = 0.0
+    """Seconds those probes took (measuring, and the collectives that agree on the results)."""
 
 
 _lock = threading.Lock()
@@ -80,6 +86,12 @@ def record_plan(seconds: float, prefetched: bool = False) -> None:
         _stats.plan_seconds += seconds
 
 
+def record_probe(seconds: float) -> None:
+    with _lock:
+        _stats.probes += 1
+        _stats.probe_seconds += seconds
+
+
 def record_bytes(sent: int, received: int, phase: str | None = None) -> None:
     """Count one exchange's bytes (under ``phase`` too, when it has a name)."""
     with _lock:
@@ -96,21 +108,7 @@ def snapshot(reset: bool = False) -> EngineStats:
     """A copy of the statistics so far; ``reset=True`` starts a new accumulation."""
     global _stats
     with _lock:
-        s = EngineStats(
-            calls=_stats.calls,
-            attn_fwd_kernels=_stats.attn_fwd_kernels,
-            attn_replays=_stats.attn_replays,
-            plans=_stats.plans,
-            plans_prefetched=_stats.plans_prefetched,
-            checks=_stats.checks,
-            flops_before=list(_stats.flops_before),
-            flops_after=list(_stats.flops_after),
-            bytes_sent=_stats.bytes_sent,
-            bytes_received=_stats.bytes_received,
-            phase_bytes={k: list(v) for k, v in _stats.phase_bytes.items()},
-            exchanges=_stats.exchanges,
-            plan_seconds=_stats.plan_seconds,
-        )
+        s = copy.deepcopy(_stats)
         if reset:
             _stats = EngineStats()
     return s

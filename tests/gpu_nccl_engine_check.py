@@ -32,7 +32,8 @@ from oracle import Layout, named_layouts, oracle_with_grads, random_qkv  # noqa:
 from tolerances import TOL  # noqa: E402
 
 from hf_distca import DistCAConfig, core_attention, metrics  # noqa: E402
-from hf_distca.config import PING_PONG_SPLITS  # noqa: E402
+from hf_distca.engine import probe  # noqa: E402
+from hf_distca.planning.ping_pong import PING_PONG_SPLITS  # noqa: E402
 
 # bf16 inputs and kernels vs the float64 oracle: max |a - b| <= BF16_TOL * max |b| per tensor (b: the whole
 # tensor over all ranks, a: this rank's rows).
@@ -62,7 +63,10 @@ def check(layout: Layout, shard: int, inputs: tuple, ref: tuple, schedule: tuple
     rows = torch.as_tensor(layout.rows(rank))
     local = [t[rows].to(DEVICE).requires_grad_(True) for t in (q, k, v)]
     name, fields = schedule
-    out = core_attention(*local, layout.pieces[rank], config=DistCAConfig(shard_tokens=shard, **fields))
+    config = DistCAConfig(shard_tokens=shard, **fields)
+    # the engine's start-up probes (collective; once per dtype and head shape)
+    probe(config, device=DEVICE, dtypes=[q.dtype], q_heads=heads, kv_heads=kv_heads, head_dim=dim)
+    out = core_attention(*local, layout.pieces[rank], config=config)
     (out.float() * w[rows].to(DEVICE).float()).sum().backward()
     failures = []
     for tensor, got, whole in zip(

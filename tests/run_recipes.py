@@ -52,7 +52,10 @@ def baseline_args(argv: list[str], attn: str) -> list[str]:
 
 
 def _script_module(script: str):
-    """The module of ``script``: a file name in recipes/, or a path from the repository root."""
+    """The module of ``script``: a file name in recipes/, a path from the repository root, or a module of
+    the benchmarks package (``benchmarks.<name>``, imported from the repository root on ``sys.path``)."""
+    if script.startswith("benchmarks."):
+        return importlib.import_module(script)
     path = os.path.join(
         ROOT, script if os.sep in script or "/" in script else os.path.join("recipes", script)
     )
@@ -94,8 +97,8 @@ def _free_port() -> int:
 def launch(
     world: int, runs: list, tmp_path, env: dict[str, str] | None = None, timeout: float = 600
 ) -> list[str]:
-    """Run ``runs`` ([script, argv] pairs; script: a file name in recipes/ or a path from the repository
-    root, with a ``main(argv)``) in turn on ``world`` processes; return each rank's output. ``env``: more
+    """Run ``runs`` ([script, argv] pairs; script: a file name in recipes/, a path from the repository
+    root or ``benchmarks.<name>``, with a ``main(argv)``) in turn on ``world`` processes; return each rank's output. ``env``: more
     environment variables for the ranks; only those read at run time take effect (the ranks fork from a
     server that imported torch, Transformers and the recipes already). Fails the calling test with every
     rank's output when a rank fails or the launch outlives ``timeout`` seconds (the other ranks are

@@ -6,9 +6,15 @@ import pytest
 from test_all_scan import chunked_layout
 
 from hf_distca.data import layout_pieces
-from hf_distca.linear.simulate import LinkModel, best_blocks, chain_scan_time, fit_link, simulate_layout
+from hf_distca.linear.simulate import (
+    PointToPointLink,
+    best_blocks,
+    chain_scan_time,
+    fit_link,
+    simulate_layout,
+)
 
-LINK = LinkModel(latency_s=20e-6, bandwidth_Bps=100e9)
+LINK = PointToPointLink(latency_s=20e-6, bandwidth_Bps=100e9)
 STATE = 32 * 128 * 128 * 4  # 32 heads x 128 x 128, fp32: 2 MiB
 
 
@@ -101,4 +107,4 @@ def test_all_scan_simulator_fits_measured_links():
     with pytest.raises(ValueError, match="at least two"):
         fit_link([1.0], [1.0])
     with pytest.raises(ValueError, match="bandwidth_Bps"):
-        LinkModel(latency_s=0.0, bandwidth_Bps=0.0)
+        PointToPointLink(latency_s=0.0, bandwidth_Bps=0.0)

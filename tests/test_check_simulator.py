@@ -13,24 +13,22 @@ import dataclasses
 import json
 import os
 import statistics
-import sys
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-import check_simulator as cs  # noqa: E402
-import common  # noqa: E402
-import simulate as sim  # noqa: E402
+from benchmarks import check_simulator as cs
+from benchmarks import common, sim
+from benchmarks import measured_tables as mt
+from hf_distca.data.baselines import LAYOUTS
 
-from hf_distca.data.baselines import LAYOUTS  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 FIXTURE = """# Title
 
 ## Checkpointing modes, 2 x NVIDIA H200, llama3-8b-shaped (8 layers)
 
-Command: `NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 benchmarks/bench_remat.py --layout tokens --layers 4 \
+Command: `NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 -m benchmarks.bench_remat --layout tokens --layers 4 \
 --doc-lengths mix --doc-lengths prolong=.gpu_data/doclens_prolong.json --seed 3 --steps 5 --out OUT/x.md`
 
 | sample (tokens in docs >= 16K) | mode | step time (s) | speed-up | peak memory (GiB) | kernels | sent (GiB) | imbalance before -> after |
@@ -42,7 +40,7 @@ Command: `NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 benchmarks/bench_remat.
 
 ## Consistency check cost, 2 x NVIDIA H200, NCCL
 
-Command: `torchrun --nproc-per-node 2 benchmarks/bench_consistency.py --out OUT/c.md`
+Command: `torchrun --nproc-per-node 2 -m benchmarks.bench_consistency --out OUT/c.md`
 
 | layout | pieces per rank (max) | new layout, check on |
 |---|---|---|
@@ -50,7 +48,7 @@ Command: `torchrun --nproc-per-node 2 benchmarks/bench_consistency.py --out OUT/
 
 ## Checkpointing modes, 1 x NVIDIA H200, llama3-8b-shaped (8 layers)
 
-Command: `torchrun --nproc-per-node 1 benchmarks/bench_remat.py --layers 8 --out OUT/y.md`
+Command: `torchrun --nproc-per-node 1 -m benchmarks.bench_remat --layers 8 --out OUT/y.md`
 
 | sample (tokens in docs >= 16K) | mode | step time (s) | speed-up | peak memory (GiB) | kernels | sent (GiB) | imbalance before -> after |
 |---|---|---|---|---|---|---|---|
@@ -59,19 +57,19 @@ Command: `torchrun --nproc-per-node 1 benchmarks/bench_remat.py --layers 8 --out
 
 
 def test_parse_results_reads_the_timed_rows_of_each_section():
-    rows = cs.parse_results(FIXTURE, "fixture.md")
+    rows = mt.parse_results(FIXTURE, "fixture.md")
     got = [(r.world, r.sample, r.mode, r.backend, r.seconds, r.sent_gib, r.imbalance) for r in rows]
     assert got == [
         (2, "mix", "remat", "auto", 5.962, 4.55, (1.00, 1.00)),
-        (2, "mix", cs.ATTENTION_ROW, "auto", 1.002, None, None),
+        (2, "mix", mt.ATTENTION_ROW, "auto", 1.002, None, None),
         (2, "prolong", "remat", "cudnn", 2.828, 3.38, (1.04, 1.02)),
         (1, "prolong", "recompute", "auto", 2.678, 0.00, (1.00, 1.00)),
     ]
-    first = cs.bench_args(rows[0].command)
+    first = mt.bench_args(rows[0].command)
     assert (first.layers, first.layout, first.seed, first.steps, first.warmup, first.tokens_per_rank) == (
         4, "tokens", 3, 5, 1, 65536,
     )  # fmt: skip
-    last = cs.bench_args(rows[-1].command)
+    last = mt.bench_args(rows[-1].command)
     assert (last.layers, last.layout, last.seed, last.steps) == (8, "distca", 0, 3)
 
 
@@ -103,7 +101,7 @@ def test_rebuilt_plans_send_the_bytes_the_gpu_run_counted():
     with open(path) as f:
         rows = [
             r
-            for r in cs.parse_results(f.read(), path)
+            for r in mt.parse_results(f.read(), path)
             if r.world == 2 and r.sample == "mix" and r.mode in cs.RECOMPUTE
         ]
     assert {r.mode for r in rows} == {"remat", "recompute"}
@@ -116,7 +114,7 @@ def test_rebuilt_plans_send_the_bytes_the_gpu_run_counted():
 
 
 PING_PONG_COMMAND = (
-    "NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 1 benchmarks/bench_ping_pong.py --layers 2 "
+    "NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 1 -m benchmarks.bench_ping_pong --layers 2 "
     "--tokens-per-rank 4096,65536 --doc-lengths tiny=.gpu/tiny.json --modes serial,layer_ping_pong "
     "--link none --warmup 1 --steps 3 --seed 0"
 )
@@ -147,7 +145,7 @@ Step: kernels from first to last 1200.4 ms, compute idle 32.5 ms. NCCL kernels (
 
 ## Ping-pong, 2 x NVIDIA H100 80GB HBM3, link: nvlink, llama3-8b-shaped (2 layers)
 
-Command: `torchrun --nproc-per-node 2 benchmarks/bench_ping_pong.py --layers 2 --tokens-per-rank 512 --backend torch_varlen`
+Command: `torchrun --nproc-per-node 2 -m benchmarks.bench_ping_pong --layers 2 --tokens-per-rank 512 --backend torch_varlen`
 
 | sample / tokens per rank (tokens in docs >= 16K) | mode | step time (s) | vs serial | vs signal | peak memory (GiB) | \
 attn fwd kernels / step | core-attn bytes sent / step (GiB) | imbalance before -> after |
@@ -157,7 +155,7 @@ attn fwd kernels / step | core-attn bytes sent / step (GiB) | imbalance before -
 
 
 PASSES_COMMAND = (
-    "NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 1 benchmarks/bench_ping_pong.py --layers 2 "
+    "NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 1 -m benchmarks.bench_ping_pong --layers 2 "
     "--tokens-per-rank 4096 --doc-lengths tiny=.gpu/tiny.json --modes serial,serial_tight,layer_ping_pong "
     "--passes 2 --link none --warmup 1 --steps 3 --seed 0"
 )
@@ -183,7 +181,7 @@ vs serial | cuDNN plans built per pass |
 def test_parse_results_reads_later_passes_and_plans_built():
     """A --passes table: the first pass stays ``seconds``, the 'later passes' column gives the warm step
     times (the second pass first), the last column the cuDNN plans built per pass; serial_tight parses."""
-    rows = cs.parse_results(PASSES_FIXTURE, "passes.md")
+    rows = mt.parse_results(PASSES_FIXTURE, "passes.md")
     got = [
         (r.mode, r.tokens_per_rank, r.seconds, r.later_s, r.warm_s, r.plans_built, r.fwd_kernels)
         for r in rows
@@ -193,20 +191,20 @@ def test_parse_results_reads_later_passes_and_plans_built():
         ("serial_tight", 4096, 1.174, (1.118,), 1.118, (2, 0), 2),
         ("layer_ping_pong", 4096, 1.274, (1.127,), 1.127, (10, 0), 4),
     ]  # fmt: skip
-    assert cs.ping_pong_args(rows[0].command).passes == 2
+    assert mt.ping_pong_args(rows[0].command).passes == 2
     # --passes 3: the later passes comma-separated, the second pass first
     three = PASSES_FIXTURE.replace("--passes 2", "--passes 3").replace(
         "1.127 (1.07x) | 10 / 0 |", "1.127 (1.07x), 1.120 (1.07x) | 10 / 0 / 1 |"
     )
-    last = cs.parse_results(three, "passes.md")[-1]
+    last = mt.parse_results(three, "passes.md")[-1]
     assert (last.later_s, last.warm_s, last.plans_built) == ((1.127, 1.120), 1.127, (10, 0, 1))
     # a one-pass table (no such columns) has no warm pass
     assert all(r.later_s == () and r.warm_s is None and r.plans_built == ()
-               for r in cs.parse_results(PING_PONG_FIXTURE, "pp.md"))  # fmt: skip
+               for r in mt.parse_results(PING_PONG_FIXTURE, "pp.md"))  # fmt: skip
 
 
 def test_parse_results_reads_bench_ping_pong_tables():
-    rows = cs.parse_results(PING_PONG_FIXTURE, "pp.md")
+    rows = mt.parse_results(PING_PONG_FIXTURE, "pp.md")
     got = [
         (r.world, r.sample, r.tokens_per_rank, r.mode, r.backend, r.seconds, r.sent_gib, r.imbalance,
          r.fwd_kernels, r.device, r.profiled_span_s)
@@ -220,20 +218,20 @@ def test_parse_results_reads_bench_ping_pong_tables():
     ]  # fmt: skip
     # the bench_remat sections of the same file still parse as before (the timeline's rows are no steps)
     assert [(r.world, r.mode) for r in rows if r.tokens_per_rank is None] == [
-        (2, "remat"), (2, cs.ATTENTION_ROW), (2, "remat"), (1, "recompute"),
+        (2, "remat"), (2, mt.ATTENTION_ROW), (2, "remat"), (1, "recompute"),
     ]  # fmt: skip
-    args = cs.ping_pong_args(rows[0].command)
+    args = mt.ping_pong_args(rows[0].command)
     assert (args.layers, args.seed, args.warmup, args.steps, args.layout) == (2, 0, 1, 3, "distca")
     # without cudnn importable (no 'Software:' line saying so) 'auto' ran torch_varlen
     no_cudnn = PING_PONG_FIXTURE.replace("cudnn 1.32.0", "cudnn not importable")
-    assert cs.parse_results(no_cudnn, "pp.md")[0].backend == "torch_varlen"
+    assert mt.parse_results(no_cudnn, "pp.md")[0].backend == "torch_varlen"
 
 
 def _tiny_ping_pong(tmp_path, fixture=PASSES_FIXTURE):
     lengths = [300, 1200, 900, 2500, 700, 1800, 400, 3000, 150, 2200]
     path = tmp_path / "tiny.json"
     path.write_text(json.dumps(lengths))
-    rows = [r for r in cs.parse_results(fixture, "pp.md") if r.sample == "tiny" and r.tokens_per_rank == 4096]
+    rows = [r for r in mt.parse_results(fixture, "pp.md") if r.sample == "tiny" and r.tokens_per_rank == 4096]
     return lengths, rows, cs.check_ping_pong(rows, {"tiny": f"tiny={path}"})
 
 
@@ -257,7 +255,7 @@ def test_modes_are_priced_as_simulate_prices_their_layouts(tmp_path):
     assert serial.tokens_per_rank == 4096 > tight.tokens_per_rank == pp.tokens_per_rank
     assert tight.step_s < serial.step_s
 
-    args = cs.ping_pong_args(serial_row.command)
+    args = mt.ping_pong_args(serial_row.command)
     model = dataclasses.replace(sim.ModelShape(), layers=2)
     table = cs.shipped_cost_table("NVIDIA H200", "cudnn", model)
     assert table.endswith("h200_bf16_32x8x128_cudnn.json")
@@ -328,7 +326,7 @@ def test_committed_layer_ping_pong_rows_rebuild_the_nano_batches_the_gpu_ran():
         pytest.skip("the doc-length samples (../shared/data) are not here")
     path = os.path.join(ROOT, "benchmarks", "results", "layer_ping_pong_1xh200.md")
     with open(path) as f:
-        rows = [r for r in cs.parse_results(f.read(), path) if r.tokens_per_rank == 32768]
+        rows = [r for r in mt.parse_results(f.read(), path) if r.tokens_per_rank == 32768]
     modes = ("serial", "serial_tight", "layer_ping_pong")
     assert [(r.sample, r.mode) for r in rows] == [(s, m) for s in ("pretrain", "prolong") for m in modes]
     assert all(r.warm_s is not None and len(r.plans_built) == 2 and r.plans_built[1] == 0 for r in rows)

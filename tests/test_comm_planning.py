@@ -25,18 +25,18 @@ from test_planner import simulate as simulate_dispatch
 
 from hf_distca import DistCAConfig, plan_core_attention
 from hf_distca.cli import add_config_arguments, config_from_args
-from hf_distca.config import PRICED_TOLERANCE
 from hf_distca.planning import (
     CausalPairsCost,
     LinkModel,
     MeasuredCost,
     attention_flops_per_pair,
-    link_model_from_config,
+    link_model_from_options,
     plan_critical_path,
     traffic,
 )
 from hf_distca.planning.cost import write_cost_table
-from hf_distca.planning.links import FWD_BWD_FLOP_RATIO, hiding_window, seconds_per_cost_unit
+from hf_distca.planning.links import FWD_BWD_FLOP_RATIO, seconds_per_cost_unit, with_hiding_work
+from hf_distca.planning.options import PRICED_TOLERANCE
 
 FLOPS = attention_flops_per_pair(2, 8)  # 2 query heads x 8: 224 FLOPs per pair forward+backward
 GIB = 2**30
@@ -44,7 +44,7 @@ GIB = 2**30
 
 def _plan(pieces, config: DistCAConfig, q_row: int = Q_ROW, kv_row: int = KV_ROW):
     return plan_core_attention(
-        pieces, q_row_bytes=q_row, kv_row_bytes=kv_row, config=config, flops_per_pair=FLOPS
+        pieces, q_row_bytes=q_row, kv_row_bytes=kv_row, options=config.planner_options(), flops_per_pair=FLOPS
     )
 
 
@@ -227,7 +227,7 @@ def test_relay_plans_valid_never_slower_and_within_the_send_bound(data, config, 
         layout.pieces,
         q_row_bytes=Q_ROW,
         kv_row_bytes=KV_ROW,
-        config=config,
+        options=config.planner_options(),
         flops_per_pair=FLOPS,
         window=window,
     )
@@ -239,7 +239,7 @@ def test_relay_plans_valid_never_slower_and_within_the_send_bound(data, config, 
     if bound is not None:  # no move takes a rank above the bound (or further above it), relayed
         unbalanced = plan_core_attention(
             layout.pieces, q_row_bytes=Q_ROW, kv_row_bytes=KV_ROW, flops_per_pair=FLOPS, window=window,
-            config=dataclasses.replace(config, max_planner_moves=0),
+            options=dataclasses.replace(config, max_planner_moves=0).planner_options(),
         )  # fmt: skip
         relayed = [
             traffic.forward_bytes(p, traffic.plan_traffic(p, per, True))[0] for p in (plan, unbalanced)
@@ -250,10 +250,14 @@ def test_relay_plans_valid_never_slower_and_within_the_send_bound(data, config, 
     if not priced:
         return
     rtol, _ = TOL["critical_path"]
-    link = link_model_from_config(config, CausalPairsCost(window), FLOPS)
+    link = link_model_from_options(config.planner_options(), CausalPairsCost(window), FLOPS)
     assert plan.critical_path_after <= plan.critical_path_before * (1 + rtol)
     balance_only = plan_core_attention(
-        layout.pieces, q_row_bytes=Q_ROW, kv_row_bytes=KV_ROW, config=_unpriced(config), window=window
+        layout.pieces,
+        q_row_bytes=Q_ROW,
+        kv_row_bytes=KV_ROW,
+        options=_unpriced(config).planner_options(),
+        window=window,
     )
     assert plan.critical_path_after <= plan_critical_path(balance_only, link) * (1 + rtol)
     if plan.moves and plan.digest() != balance_only.digest():
@@ -273,7 +277,7 @@ def test_relay_pricing_moves_more_of_a_long_document_off_its_node():
                         ranks_per_node=2, attention_tflops=1e-3)  # fmt: skip
     relay = dataclasses.replace(base, kv_relay=True)
     direct, relayed = _plan(pieces, base), _plan(pieces, relay)
-    link = link_model_from_config(relay, CausalPairsCost(), FLOPS)
+    link = link_model_from_options(relay.planner_options(), CausalPairsCost(), FLOPS)
     off_node = [
         sum(t.q_len for r in range(2, 8) for t in p.tasks[r] if t.doc_id == 0) for p in (direct, relayed)
     ]
@@ -345,7 +349,11 @@ def test_long_document_stays_in_its_node_when_only_the_inter_node_link_is_slow()
 
     def plan(config):
         return plan_core_attention(
-            layout.pieces, q_row_bytes=q_row, kv_row_bytes=kv_row, config=config, flops_per_pair=flops
+            layout.pieces,
+            q_row_bytes=q_row,
+            kv_row_bytes=kv_row,
+            options=config.planner_options(),
+            flops_per_pair=flops,
         )
 
     balance_only = plan(base)
@@ -356,7 +364,7 @@ def test_long_document_stays_in_its_node_when_only_the_inter_node_link_is_slow()
     priced = plan(nodes)
     assert _kv_fanout(priced, 0, 0) == {1, 2, 3}
     assert priced.critical_path_after < priced.critical_path_before
-    link = link_model_from_config(nodes, CausalPairsCost(), flops)
+    link = link_model_from_options(nodes.planner_options(), CausalPairsCost(), flops)
     assert priced.critical_path_after < plan_critical_path(balance_only, link)
     # everything at NVLink speed: the prefix may go anywhere again
     flat = plan(DistCAConfig(**{**base.__dict__, "link_gib_per_s": 250.0}))
@@ -420,18 +428,18 @@ def test_layer_ping_pong_window_per_phase():
     exposed = sum over phases of max(0, share x transfer - window), the larger phase of a pass behind the
     shorter work."""
     link = LinkModel(1.0, 1.0, None, 0.0, seconds_per_cost_unit=0.01)
-    assert hiding_window(link, DistCAConfig(), 100, 35.0, 8, 4) is link  # none asked for
+    assert with_hiding_work(link, DistCAConfig().planner_options(), 100, 35.0, 8, 4) is link  # none asked for
     config = DistCAConfig(layer_ping_pong=True, layer_seconds_per_token=1e-3)
-    hidden = hiding_window(link, config, 100, 35.0, 8, 4)
+    hidden = with_hiding_work(link, config.planner_options(), 100, 35.0, 8, 4)
     # per row moved: fwd.dispatch q + kv = 12 B, fwd.return out = 8, bwd.dispatch q, out, dout + kv = 28,
     # bwd.return dq + dkv = 12; layer work 0.1 s (0.025 forward), kernels 0.35 s (0.1 forward)
     expected = ((12 / 60, 0.025), (8 / 60, 0.1), (28 / 60, 0.075), (12 / 60, 0.25))
-    np.testing.assert_allclose(hidden.windows, expected, rtol=1e-12)
-    assert hidden.exposed(0.1) == 0.0  # every phase shorter than its window
+    np.testing.assert_allclose(hidden.hiding, expected, rtol=1e-12)
+    assert hidden.exposed(0.1) == 0.0  # every phase shorter than the work it flies behind
     assert hidden.exposed(0.3) == pytest.approx(0.3 * 12 / 60 - 0.025 + 0.3 * 28 / 60 - 0.075, rel=1e-12)
     assert hidden.exposed(3.0) == pytest.approx(3.0 - 0.45, rel=1e-12)  # every phase longer
     assert hidden.critical_path(10.0, 3.0) == pytest.approx(0.1 + 2.55, rel=1e-12)
-    halved = hiding_window(LinkModel(1.0, 1.0, None, 0.5, 0.01), config, 100, 35.0, 8, 4)
+    halved = with_hiding_work(LinkModel(1.0, 1.0, None, 0.5, 0.01), config, 100, 35.0, 8, 4)
     assert halved.exposed(6.0) == pytest.approx(2.55, rel=1e-12)  # comm_overlap applies first
     assert link.exposed(3.0) == 3.0
 
@@ -440,7 +448,7 @@ def test_layer_ping_pong_window_lets_hidden_moves_pay():
     """test_moves_only_while_they_pay's batch at the link where priced moves do not pay: with the other
     nano-batch's layer work to hide the returns behind, moving work pays (the dispatches, behind the
     short kernels, stay mostly exposed); with none, only the kernels hide a little and nothing moves. The
-    critical path the plan reports is the window's, never above no balancing."""
+    critical path the plan reports is the one with that work, never above no balancing."""
     layout = Layout(
         "one_long",
         [0, 1, 2, 3],
@@ -458,9 +466,9 @@ def test_layer_ping_pong_window_lets_hidden_moves_pay():
         assert plan.critical_path_after <= plan.critical_path_before
         if plan.moves:
             assert plan.critical_path_after < min(plan.critical_path_before, exposed.critical_path_after)
-        link = link_model_from_config(config, CausalPairsCost(), FLOPS)
+        link = link_model_from_options(config.planner_options(), CausalPairsCost(), FLOPS)
         tokens, mean = (2048 + 3 * 64) / 4, sum(plan.load_before) / 4
-        link = hiding_window(link, config, tokens, mean, Q_ROW, KV_ROW)
+        link = with_hiding_work(link, config.planner_options(), tokens, mean, Q_ROW, KV_ROW)
         assert plan.critical_path_after == pytest.approx(plan_critical_path(plan, link), rel=1e-12)
         assert plan.critical_path_after == pytest.approx(critical_path(plan, layout, config, link), rel=1e-9)
 
@@ -475,7 +483,10 @@ def test_seconds_per_cost_unit(tmp_path):
         seconds_per_cost_unit(CausalPairsCost(), None, 300.0)
     with pytest.raises(ValueError, match="flops_per_pair"):
         plan_core_attention(
-            [[(0, 0, 4)]], q_row_bytes=8, kv_row_bytes=8, config=DistCAConfig(link_gib_per_s=1.0)
+            [[(0, 0, 4)]],
+            q_row_bytes=8,
+            kv_row_bytes=8,
+            options=DistCAConfig(link_gib_per_s=1.0).planner_options(),
         )
     with pytest.raises(ValueError, match="seconds_per_unit"):
         seconds_per_cost_unit(object(), FLOPS, 300.0)

@@ -253,6 +253,7 @@ def test_compiled_distca_layouts_match_eager_on_two_ranks():
 def test_remat_traced_inside_compile_is_refused_on_torch_older_than_it_needs(monkeypatch):
     """torch < 2.13's Inductor cannot compile the backward of a rematerialization-aware checkpoint traced in a
     compiled region: refused with a message naming the versions, whatever the backend and fullgraph."""
+    torch.compiler.reset()  # the same layers compiled by an earlier test would run from Dynamo's cache, untraced
     ids, positions, weights = global_batch()
     inputs = {"input_ids": ids[None], "position_ids": positions[None]}
     model = tiny_llama(layers=1)

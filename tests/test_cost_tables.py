@@ -14,15 +14,17 @@ from distributed import run_distributed
 
 from hf_distca import DistCAConfig, calibrate, plan_core_attention
 from hf_distca.cli import add_config_arguments, config_from_args
+from hf_distca.config import cost_model_from_config
 from hf_distca.cost_tables import (
     find_shipped_table,
     load_shipped_table,
     shipped_table_data,
     shipped_table_names,
     table_matches,
+    timing,
 )
-from hf_distca.engine import clear_plan_cache, cost_probe, prepare
-from hf_distca.planning import CausalPairsCost, MeasuredCost, attention_flops_per_pair, cost_model_from_config
+from hf_distca.engine import EngineState, cost_probe, engine_state, prepare, probe
+from hf_distca.planning import CausalPairsCost, MeasuredCost, attention_flops_per_pair
 
 H200 = dict(device_name="NVIDIA H200", dtype=torch.bfloat16, q_heads=32, kv_heads=8, head_dim=128)
 SHIPPED = {"cudnn": "h200_bf16_32x8x128_cudnn.json", "torch_varlen": "h200_bf16_32x8x128_torch_varlen.json"}
@@ -79,18 +81,18 @@ def test_auto_plans_with_the_shipped_table_and_pairs_without_one():
     auto = DistCAConfig(shard_tokens=128)
     with resources.as_file(resources.files("hf_distca.cost_tables") / SHIPPED["cudnn"]) as path:
         explicit = DistCAConfig(shard_tokens=128, cost_table=str(path))
-        by_path = plan_core_attention(PIECES, **ROW_BYTES, config=explicit, flops_per_pair=FLOPS,
+        by_path = plan_core_attention(PIECES, **ROW_BYTES, options=explicit.planner_options(), flops_per_pair=FLOPS,
                                       cost_model=cost_model_from_config(explicit))  # fmt: skip
-    by_auto = plan_core_attention(PIECES, **ROW_BYTES, config=auto, flops_per_pair=FLOPS,
+    by_auto = plan_core_attention(PIECES, **ROW_BYTES, options=auto.planner_options(), flops_per_pair=FLOPS,
                                   cost_model=cost_model_from_config(auto, auto_table=shipped))  # fmt: skip
     assert by_auto.digest() == by_path.digest() and by_auto.load_after == by_path.load_after
     # the loads are the table's seconds: the measured cost of each server's tasks
     assert max(by_auto.load_before) == pytest.approx(shipped.task_cost(0, 32768))
     pairs = DistCAConfig(shard_tokens=128, cost_table=None)
-    by_pairs = plan_core_attention(PIECES, **ROW_BYTES, config=pairs, flops_per_pair=FLOPS)
+    by_pairs = plan_core_attention(PIECES, **ROW_BYTES, options=pairs.planner_options(), flops_per_pair=FLOPS)
     assert by_pairs.digest() != by_auto.digest()
     assert isinstance(cost_model_from_config(auto), CausalPairsCost)  # no table resolved: pairs
-    no_table = plan_core_attention(PIECES, **ROW_BYTES, config=auto, flops_per_pair=FLOPS,
+    no_table = plan_core_attention(PIECES, **ROW_BYTES, options=auto.planner_options(), flops_per_pair=FLOPS,
                                    cost_model=cost_model_from_config(auto))  # fmt: skip
     assert no_table.digest() == by_pairs.digest()
 
@@ -98,9 +100,9 @@ def test_auto_plans_with_the_shipped_table_and_pairs_without_one():
 def test_auto_on_cpu_tensors_is_pairs():
     q = torch.zeros(300, 2, 8)
     k = torch.zeros(300, 1, 8)
-    assert cost_probe.describe_device(q, DistCAConfig()) is None
+    assert cost_probe.describe_device(q.device, q.dtype, DistCAConfig()) is None
     assert cost_probe.auto_cost_table(DistCAConfig(), None, q, k) is None
-    clear_plan_cache()
+    engine_state().reset()
     plans = [
         prepare(q, k, k, [(0, 0, 300)], config=DistCAConfig(cost_table=table)).plan
         for table in ("auto", None)
@@ -121,7 +123,7 @@ def test_config_values_and_recipe_flag():
 
 def test_startup_command_on_cpu(tmp_path, capsys, monkeypatch):
     """``--startup`` times the start-up grid (a stand-in timer: the reference kernel at 32K is minutes)."""
-    monkeypatch.setattr(calibrate, "time_task", lambda q_len, kv_len, **_: 1e-6 * (q_len + kv_len))
+    monkeypatch.setattr(timing, "time_task", lambda q_len, kv_len, **_: 1e-6 * (q_len + kv_len))
     table = calibrate.main(["--out", str(tmp_path / "t.json"), "--device", "cpu", "--backend", "reference",
                             "--dtype", "float32", "--heads", "2", "--kv-heads", "1", "--head-dim", "8",
                             "--fuse-tokens", "64", "--startup", "--q-lens", "1", "--kv-lens", "1"])  # fmt: skip
@@ -135,13 +137,17 @@ def test_startup_command_on_cpu(tmp_path, capsys, monkeypatch):
 def _worker(rank: int, world: int) -> dict:
     out = {}
     # 1. a fake H200 description: every rank finds the shipped cudnn table; prepare plans with it
-    cost_probe.describe_device = lambda q, config: ("NVIDIA H200", "cudnn")
+    cost_probe.describe_device = lambda device, dtype, config: ("NVIDIA H200", "cudnn")
     rows = sum(p[2] for p in PIECES[rank])
     q = torch.zeros(1, 32, 128, dtype=torch.bfloat16).expand(rows, 32, 128)  # prepare reads shapes only
     k = torch.zeros(1, 8, 128, dtype=torch.bfloat16).expand(rows, 8, 128)
-    clear_plan_cache()
-    cost_probe.clear_cost_tables()
-    prepared = prepare(q, k, k, PIECES[rank], config=DistCAConfig(shard_tokens=128), all_pieces=PIECES)
+    config = DistCAConfig(shard_tokens=128)
+    state = EngineState()
+    with pytest.raises(RuntimeError, match="no kernel-cost table was resolved"):  # no probe: no collective
+        prepare(q, k, k, PIECES[rank], config=config, all_pieces=PIECES, state=state)
+    probe(config, device=q.device, dtypes=[q.dtype], q_heads=32, kv_heads=8, head_dim=128,
+          state=state)  # fmt: skip
+    prepared = prepare(q, k, k, PIECES[rank], config=config, all_pieces=PIECES, state=state)
     out["shipped_plan"] = prepared.plan.digest()
 
     # 2. no shipped table fits: every rank measures the start-up grid (the reference kernel on a tiny
@@ -149,16 +155,16 @@ def _worker(rank: int, world: int) -> dict:
     kw = dict(device_name="cpu-test", measurable=True, lens=[16, 32], fuse_tokens=64, warmup=0, repeats=1)
     measured = cost_probe.agree_on_table(None, torch.device("cpu"), torch.float32, 2, 1, 8, "reference", **kw)
     out["measured"] = (measured.digest(), measured.seconds.tolist())
-    out["seconds"] = cost_probe.last_measurement_seconds
+    out["seconds"] = engine_state().measurement_seconds
 
     # 3. the ranks' timings differ and only rank 0 has a shipped table: the mean of the ranks' tables
-    real_time_task, real_find = calibrate.time_task, cost_probe.find_shipped_table
-    calibrate.time_task = lambda q_len, kv_len, **_: (rank + 1) * 1e-6 * (q_len + kv_len)
+    real_time_task, real_find = timing.time_task, cost_probe.find_shipped_table
+    timing.time_task = lambda q_len, kv_len, **_: (rank + 1) * 1e-6 * (q_len + kv_len)
     cost_probe.find_shipped_table = lambda *a: SHIPPED["cudnn"] if rank == 0 else None
     try:
         mean = cost_probe.agree_on_table(None, torch.device("cpu"), torch.float32, 2, 1, 8, "reference", **kw)
     finally:
-        calibrate.time_task, cost_probe.find_shipped_table = real_time_task, real_find
+        timing.time_task, cost_probe.find_shipped_table = real_time_task, real_find
     out["mean"] = (mean.digest(), mean.seconds.tolist())
 
     # 4. one rank cannot measure: nobody does, every rank plans causal pairs
@@ -173,9 +179,9 @@ def test_auto_tables_agree_on_gloo():
     results = run_distributed(_worker, 2, timeout=240)
     auto = DistCAConfig(shard_tokens=128)
     shipped = load_shipped_table(SHIPPED["cudnn"])
-    want = plan_core_attention(PIECES, **ROW_BYTES, config=auto, flops_per_pair=FLOPS,
+    want = plan_core_attention(PIECES, **ROW_BYTES, options=auto.planner_options(), flops_per_pair=FLOPS,
                                cost_model=cost_model_from_config(auto, auto_table=shipped))  # fmt: skip
-    pairs = plan_core_attention(PIECES, **ROW_BYTES, config=DistCAConfig(shard_tokens=128, cost_table=None),
+    pairs = plan_core_attention(PIECES, **ROW_BYTES, options=DistCAConfig(shard_tokens=128, cost_table=None).planner_options(),
                                 flops_per_pair=FLOPS)  # fmt: skip
     assert want.digest() != pairs.digest()  # the ranks planned with the table, not with pairs
     for rank, res in enumerate(results):
@@ -200,9 +206,8 @@ def test_gpu_auto_resolves_on_this_gpu():
     H200 with cudnn or torch_varlen), else none (one process measures nothing)."""
     q = torch.zeros(128, 32, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.zeros(128, 8, 128, device="cuda", dtype=torch.bfloat16)
-    cost_probe.clear_cost_tables()
-    name, backend = cost_probe.describe_device(q, DistCAConfig())
-    table = cost_probe.auto_cost_table(DistCAConfig(), None, q, k)
+    name, backend = cost_probe.describe_device(q.device, q.dtype, DistCAConfig())
+    table = cost_probe.auto_cost_table(DistCAConfig(), None, q, k, EngineState())
     shipped = find_shipped_table(name, torch.bfloat16, 32, 8, 128, backend)
     print(f"{name}, backend {backend}: shipped table {shipped}")
     if shipped is None:

@@ -7,7 +7,7 @@ import torch
 from oracle import Layout, assert_close, oracle_with_grads, random_qkv
 
 from hf_distca import DistCAConfig, PieceError, core_attention, local_attention, metrics
-from hf_distca.engine import clear_plan_cache
+from hf_distca.engine import engine_state
 
 # Several pieces of the same document held non-adjacently in local order, a length-1 document,
 # odd lengths, a document whose pieces come in reverse order, sparse document ids.
@@ -56,7 +56,7 @@ def test_scale_argument_is_used():
 
 
 def test_single_process_metrics_and_plan_cache():
-    clear_plan_cache()
+    engine_state().reset()
     metrics.reset()
     layout = ONE_RANK
     q_all, k_all, v_all, _ = random_qkv(layout.total, 4, 2, 8, torch.float32, seed=1)
@@ -73,7 +73,7 @@ def test_single_process_metrics_and_plan_cache():
 def test_plan_cache_is_keyed_by_what_changes_the_plan():
     """Switching the kernel backend, ping-pong or the consistency check reuses the cached plan; a field
     that changes the plan (the tolerance) plans again."""
-    clear_plan_cache()
+    engine_state().reset()
     metrics.reset()
     layout = ONE_RANK
     q_all, k_all, v_all, _ = random_qkv(layout.total, 4, 2, 8, torch.float32, seed=1)

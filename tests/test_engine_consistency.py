@@ -20,7 +20,7 @@ from distributed import run_distributed
 from oracle import random_qkv
 
 from hf_distca import DistCAConfig, core_attention, metrics
-from hf_distca.engine import clear_plan_cache
+from hf_distca.engine import engine_state
 
 WORLD = 3
 ODD = 1  # the rank that gets the bad input
@@ -111,7 +111,7 @@ def _worker(rank: int, world: int, marker_dir: str) -> list[dict]:
     outs = []
     for layer in range(3):
         if rank == 0 and layer == 2:
-            clear_plan_cache()  # a plan cache miss on one rank only must not desynchronise anything
+            engine_state().reset()  # a plan cache miss on one rank only must not desynchronise anything
         outs.append(_call(rank, {}, layout))
     first = metrics.snapshot(reset=True)
     _call(rank, {}, [list(p) for p in PIECES])  # a new object: checked again

@@ -24,10 +24,10 @@ from test_engine_remat import check_remat_case, remat_case
 
 from hf_distca import DistCAConfig, PieceError, core_attention, metrics, plan_core_attention
 from hf_distca import engine as eng
-from hf_distca.engine import clear_plan_cache
+from hf_distca.engine import engine_state
 from hf_distca.kernels import ForwardTensors, reference_varlen_attention
 from hf_distca.planning import attention_flops_per_pair, build_dispatch_index, forward_flops_per_pair, traffic
-from hf_distca.planning.nano import nano_plans
+from hf_distca.planning.ping_pong import part_plans
 from hf_distca.planning.relay import relay_kv_bytes
 
 D = 8
@@ -46,7 +46,7 @@ def _attention_case(rank: int, case: dict) -> dict:
     rows = torch.as_tensor(layout.rows(rank))
     q, k, v = (t[rows].clone().requires_grad_(True) for t in (q_all, k_all, v_all))
     all_pieces = case.get("all_pieces", {}).get(rank)
-    clear_plan_cache()
+    engine_state().reset()
     metrics.reset()
     saved_bytes: list[int] = []  # what autograd keeps from forward to backward, per call
 
@@ -266,7 +266,7 @@ def _check_attention_case(case: dict, per_rank: list[dict], world: int) -> dict:
         assert (causal[0] - ref[0]).abs().max() > 0.1, label
     elem = q_all.element_size()
     plan = plan_core_attention(
-        layout.pieces, q_row_bytes=hq * D * elem, kv_row_bytes=2 * hkv * D * elem, config=case["config"],
+        layout.pieces, q_row_bytes=hq * D * elem, kv_row_bytes=2 * hkv * D * elem, options=case["config"].planner_options(),
         flops_per_pair=attention_flops_per_pair(hq, D), window=window,
     )  # fmt: skip
     exact = _exact_replay(layout, plan, q_all, k_all, v_all)
@@ -282,7 +282,7 @@ def _check_attention_case(case: dict, per_rank: list[dict], world: int) -> dict:
             assert_close(got, want[rows], case["dtype"], f"{label} rank {rank} {name}")
         cfg = case["config"]
         if cfg.ping_pong:  # nano-batches cut the plan's tasks: oracle, and each part's bytes the ledger's
-            parts = nano_plans(plan, cfg.shard_tokens, cfg.ping_pong_split)
+            parts = part_plans(plan, cfg.shard_tokens, cfg.ping_pong_split)
             relay = cfg.ranks_per_node if cfg.kv_relay else None
             ledger = sum(traffic.plan_bytes(part, relay) for part in parts)
             assert nonzero(res["total"].phase_bytes) == phase_counts(ledger, rank, 1, 1), label
@@ -381,10 +381,13 @@ def test_engine_distributed_and_remat(world):
         hq, hkv = HEADS["gqa"]
         rows = {"q_row_bytes": hq * D * 8, "kv_row_bytes": 2 * hkv * D * 8}
         priced = plan_core_attention(
-            giant.pieces, config=PRICED, flops_per_pair=attention_flops_per_pair(hq, D), **rows
+            giant.pieces,
+            options=PRICED.planner_options(),
+            flops_per_pair=attention_flops_per_pair(hq, D),
+            **rows,
         )
         balance_only = plan_core_attention(
-            giant.pieces, config=DistCAConfig(shard_tokens=8, tolerance=0.3), **rows
+            giant.pieces, options=DistCAConfig(shard_tokens=8, tolerance=0.3).planner_options(), **rows
         )
         assert (
             priced.digest() != balance_only.digest()

@@ -27,7 +27,8 @@ from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, Llama
 
 import hf_distca
 from hf_distca import DistCAConfig, enable_distca, metrics, plan_core_attention
-from hf_distca.checkpointing import remat_checkpointing_kwargs, remat_context_fn
+from hf_distca.checkpointing import remat_checkpointing_kwargs
+from hf_distca.engine.remat import remat_context_fn
 from hf_distca.planning import traffic
 
 MODES = ("none", "recompute", "remat")
@@ -264,7 +265,7 @@ def check_remat_case(per_rank: list[dict], world: int) -> None:
     # phases once per layer (twice with plain recompute), the backward phases once
     plan = plan_core_attention(
         PIECES[world], q_row_bytes=4 * 16 * 4, kv_row_bytes=2 * 2 * 16 * 4,
-        config=DistCAConfig(shard_tokens=8, tolerance=0.0),
+        options=DistCAConfig(shard_tokens=8, tolerance=0.0).planner_options(),
     )  # fmt: skip  # tiny_llama in fp32: 4 query and 2 KV heads of 16
     ledger = traffic.plan_bytes(plan)
     forwards = {"none": LAYERS, "recompute": 2 * LAYERS, "remat": LAYERS}

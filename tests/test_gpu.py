@@ -16,14 +16,16 @@ import torch
 from tolerances import TOL
 
 from hf_distca import kernels
-from hf_distca.checkpointing import TRACED_REMAT_MIN_TORCH
 from hf_distca.engine import local_attention
+from hf_distca.engine.remat import TRACED_REMAT_MIN_TORCH
 from hf_distca.kernels import (
     ForwardTensors,
     UnsupportedFeatureError,
     attention_backward,
     attention_forward,
     available_backends,
+    cudnn_backend,
+    cudnn_calls,
     cudnn_frontend,
     flash,
     reference_varlen_attention,
@@ -97,7 +99,7 @@ def _kv_only_rows(q_lens, k_lens):
     return rows
 
 
-# cudnn runs in both suffix strategies (see hf_distca/kernels/cudnn_frontend.py)
+# cudnn runs in both suffix strategies (see hf_distca/kernels/cudnn_backend.py)
 VARIANTS = ["cudnn:split", "cudnn:bottom_right", "torch_varlen", "flash_attn"]
 
 
@@ -107,7 +109,7 @@ def _select(variant: str) -> dict:
     if backend not in _usable():
         pytest.skip(f"backend {backend} is not available here")
     if strategy:
-        return {"backend": backend, "cudnn_options": cudnn_frontend.CudnnOptions(suffix_strategy=strategy)}
+        return {"backend": backend, "cudnn_options": cudnn_backend.CudnnOptions(suffix_strategy=strategy)}
     return {"backend": backend}
 
 
@@ -221,8 +223,8 @@ def test_cudnn_launch_writes_only_its_own_rows():
     q, k, v, dout = _inputs(q_lens, k_lens, seed=2)
     scale = D**-0.5
     # forward over sequences 0 and 2 only (rows q 0-299 and 500-628, k 0-299 and 1000-1128)
-    call = cudnn_frontend.KernelCall(
-        cudnn_frontend.TOP_LEFT, (0, 500), (0, 1000), (300, 129), (300, 129), (0, 500), False
+    call = cudnn_calls.KernelCall(
+        cudnn_calls.TOP_LEFT, (0, 500), (0, 1000), (300, 129), (300, 129), (0, 500), False
     )
     mine_q = torch.zeros(q.shape[0], dtype=torch.bool, device="cuda")
     mine_q[0:300] = mine_q[500:629] = True
@@ -232,8 +234,8 @@ def test_cudnn_launch_writes_only_its_own_rows():
     assert not out[mine_q].isnan().any() and not lse[mine_q].isnan().any()
     assert out[~mine_q].isnan().all() and lse[~mine_q].isnan().all()
     # backward over two packed sequences (q rows 0-299 and 300-428, k rows 0-299 and 300-428)
-    packed = cudnn_frontend.KernelCall(
-        cudnn_frontend.TOP_LEFT, (0, 300), (0, 300), (300, 129), (300, 129), (0, 300), False
+    packed = cudnn_calls.KernelCall(
+        cudnn_calls.TOP_LEFT, (0, 300), (0, 300), (300, 129), (300, 129), (0, 300), False
     )
     out, lse = torch.zeros_like(q), torch.zeros(q.shape[:2], device="cuda")
     cudnn_frontend.launch_forward(packed, q, k, v, out, lse, scale)

@@ -16,20 +16,21 @@ import torch
 from oracle import visible
 from tolerances import TOL
 
-from hf_distca.config import KERNEL_BACKENDS
 from hf_distca.engine import local_attention
 from hf_distca.kernels import (
+    KERNEL_BACKENDS,
     UnsupportedFeatureError,
     attention_backward,
     attention_forward,
     available_backends,
-    cudnn_frontend,
+    cudnn_backend,
+    cudnn_calls,
     reference,
     reference_varlen_attention,
     resolve_backend,
     sinks_backward,
 )
-from hf_distca.kernels.common import ForwardTensors, VarlenLayout, check_inputs
+from hf_distca.kernels.common import ForwardTensors, VarlenOffsets, check_inputs
 
 CPU_BACKENDS = available_backends(torch.device("cpu"), torch.float32)
 
@@ -302,7 +303,7 @@ def test_softcap_refused_by_backends_without_it(monkeypatch):
     import hf_distca.kernels as kernels
 
     q, k, v, _ = _inputs([4], [4], 2, 2, 4, torch.float32)
-    seqs = check_inputs(q, k, v, VarlenLayout(_cu([4]), _cu([4]), 4, 4), None, 30.0)
+    seqs = check_inputs(q, k, v, VarlenOffsets(_cu([4]), _cu([4]), 4, 4), None, 30.0)
     for name in ("cudnn", "torch_varlen"):
         with pytest.raises(
             UnsupportedFeatureError, match=r"softcapping \(softcap=30.0: Gemma 2.*'flash_attn'.*'reference'"
@@ -519,7 +520,7 @@ def test_unknown_backend_raises():
 def test_cudnn_options_with_another_backend_raise():
     q, k, v, dout = _inputs([4], [4], 2, 2, 4, torch.float32)
     args = (_cu([4]), _cu([4]), 4, 4)
-    options = cudnn_frontend.CudnnOptions(suffix_strategy="bottom_right")
+    options = cudnn_backend.CudnnOptions(suffix_strategy="bottom_right")
     with pytest.raises(ValueError, match="cudnn_options apply to the cudnn backend only"):
         attention_forward(q, k, v, *args, backend="reference", cudnn_options=options)
     out, lse = attention_forward(q, k, v, *args, backend="reference")
@@ -542,14 +543,14 @@ def _emulated_scores(call, j, q, k, scale):
     scores = torch.einsum("ihd,jhd->hij", qs, ks) * scale
     i = torch.arange(lq).unsqueeze(1)
     c = torch.arange(lk).unsqueeze(0)
-    shift = lk - lq if call.mask == cudnn_frontend.BOTTOM_RIGHT else 0
+    shift = lk - lq if call.mask == cudnn_calls.BOTTOM_RIGHT else 0
     seen = {
-        cudnn_frontend.TOP_LEFT: c <= i,
-        cudnn_frontend.BOTTOM_RIGHT: c <= i + shift,
-        cudnn_frontend.FULL: c >= 0,
+        cudnn_calls.TOP_LEFT: c <= i,
+        cudnn_calls.BOTTOM_RIGHT: c <= i + shift,
+        cudnn_calls.FULL: c >= 0,
     }[call.mask]
     if call.window is not None:  # diagonal_band_left_bound = window
-        assert call.mask != cudnn_frontend.FULL, call
+        assert call.mask != cudnn_calls.FULL, call
         seen = seen & (c > i + shift - call.window)
     return scores.masked_fill(~seen, float("-inf"))
 
@@ -568,7 +569,7 @@ def _emulated_backward(call, dout, fwd, grads, scale, *, bucket_shapes):
     # the backend's contract with cuDNN's backward: every launch is packed (sequences back to back from
     # row 0 on the query side and on the key side)
     (q, k, v, out, lse), (dq, dk, dv) = fwd, grads
-    starts = cudnn_frontend.packed_starts
+    starts = cudnn_calls.packed_starts
     assert call.q_rows == call.out_rows == starts(call.q_lens) and call.k_rows == starts(call.k_lens), call
     hkv, groups = k.shape[1], q.shape[1] // k.shape[1]
     for j in range(call.num_seqs):
@@ -596,21 +597,21 @@ CUDNN_CASES = {
 }
 
 
-@pytest.mark.parametrize("strategy", cudnn_frontend.SUFFIX_STRATEGIES)
+@pytest.mark.parametrize("strategy", cudnn_calls.SUFFIX_STRATEGIES)
 @pytest.mark.parametrize("case", sorted(CUDNN_CASES))
 def test_cudnn_host_logic_with_emulated_launches(case, strategy, monkeypatch):
-    monkeypatch.setattr(cudnn_frontend, "launch_forward", _emulated_forward)
-    monkeypatch.setattr(cudnn_frontend, "launch_backward", _emulated_backward)
-    options = cudnn_frontend.CudnnOptions(suffix_strategy=strategy)
+    monkeypatch.setattr(cudnn_backend, "launch_forward", _emulated_forward)
+    monkeypatch.setattr(cudnn_backend, "launch_backward", _emulated_backward)
+    options = cudnn_backend.CudnnOptions(suffix_strategy=strategy)
     q_lens, k_lens, window = CUDNN_CASES[case]
     q, k, v, dout = _inputs(q_lens, k_lens, 8, 2, 16, torch.float32, seed=13)
-    seqs = check_inputs(q, k, v, VarlenLayout(_cu(q_lens), _cu(k_lens), max(q_lens), max(k_lens)), window)
-    out, lse = cudnn_frontend.forward(q, k, v, seqs, SCALE, options)
+    seqs = check_inputs(q, k, v, VarlenOffsets(_cu(q_lens), _cu(k_lens), max(q_lens), max(k_lens)), window)
+    out, lse = cudnn_backend.forward(q, k, v, seqs, SCALE, options)
     want_out, want_lse = naive_attention(q, k, v, q_lens, k_lens, SCALE, window)
     rtol, atol = TOL["fp32"]
     torch.testing.assert_close(out.double(), want_out, rtol=rtol, atol=atol)
     torch.testing.assert_close(lse.double(), want_lse, rtol=rtol, atol=atol)
-    grads = cudnn_frontend.backward(dout, ForwardTensors(q, k, v, out, lse), seqs, SCALE, options)
+    grads = cudnn_backend.backward(dout, ForwardTensors(q, k, v, out, lse), seqs, SCALE, options)
     want = naive_grads(q, k, v, dout, q_lens, k_lens, SCALE, window)
     for name, got, ref in zip(("dq", "dk", "dv"), grads, want):
         torch.testing.assert_close(got.double(), ref, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
@@ -627,44 +628,44 @@ def test_cudnn_options_reach_every_launch(bucket_shapes, monkeypatch):
 
         return wrapped
 
-    monkeypatch.setattr(cudnn_frontend, "launch_forward", spy(_emulated_forward))
-    monkeypatch.setattr(cudnn_frontend, "launch_backward", spy(_emulated_backward))
-    options = cudnn_frontend.CudnnOptions(suffix_strategy="split", bucket_shapes=bucket_shapes)
+    monkeypatch.setattr(cudnn_backend, "launch_forward", spy(_emulated_forward))
+    monkeypatch.setattr(cudnn_backend, "launch_backward", spy(_emulated_backward))
+    options = cudnn_backend.CudnnOptions(suffix_strategy="split", bucket_shapes=bucket_shapes)
     q_lens, k_lens = [4, 2], [4, 5]  # a whole document and a suffix task: a top-left and a side call
     q, k, v, dout = _inputs(q_lens, k_lens, 2, 2, 4, torch.float32)
-    seqs = check_inputs(q, k, v, VarlenLayout(_cu(q_lens), _cu(k_lens), 4, 5))
-    out, lse = cudnn_frontend.forward(q, k, v, seqs, SCALE, options)
-    cudnn_frontend.backward(dout, ForwardTensors(q, k, v, out, lse), seqs, SCALE, options)
+    seqs = check_inputs(q, k, v, VarlenOffsets(_cu(q_lens), _cu(k_lens), 4, 5))
+    out, lse = cudnn_backend.forward(q, k, v, seqs, SCALE, options)
+    cudnn_backend.backward(dout, ForwardTensors(q, k, v, out, lse), seqs, SCALE, options)
     assert seen == [bucket_shapes] * 4
 
 
 def test_cudnn_call_plan_groups_by_alignment():
     q_lens, k_lens = [4, 0, 2, 3, 0], [4, 6, 5, 3, 0]
     q, k, v, _ = _inputs(q_lens, k_lens, 2, 2, 4, torch.float32)
-    seqs = check_inputs(q, k, v, VarlenLayout(_cu(q_lens), _cu(k_lens), 4, 6))
+    seqs = check_inputs(q, k, v, VarlenOffsets(_cu(q_lens), _cu(k_lens), 4, 6))
     # rows: q 0-3 | - | 4-5 | 6-8 ; k 0-3 | 4-9 | 10-14 | 15-17
-    grouped = cudnn_frontend.plan_calls(seqs, "bottom_right")
+    grouped = cudnn_calls.plan_calls(seqs, "bottom_right")
     assert [(c.mask, c.q_rows, c.k_rows, c.q_lens, c.k_lens, c.side) for c in grouped] == [
-        (cudnn_frontend.TOP_LEFT, (0, 6), (0, 15), (4, 3), (4, 3), False),
-        (cudnn_frontend.BOTTOM_RIGHT, (4,), (10,), (2,), (5,), False),
+        (cudnn_calls.TOP_LEFT, (0, 6), (0, 15), (4, 3), (4, 3), False),
+        (cudnn_calls.BOTTOM_RIGHT, (4,), (10,), (2,), (5,), False),
     ]
-    split = cudnn_frontend.plan_calls(seqs, "split")
+    split = cudnn_calls.plan_calls(seqs, "split")
     assert [(c.mask, c.q_rows, c.k_rows, c.q_lens, c.k_lens, c.out_rows, c.side) for c in split] == [
         # the suffix sequence's causal square over its last 2 keys (rows 13-14) joins the top-left call
-        (cudnn_frontend.TOP_LEFT, (0, 4, 6), (0, 13, 15), (4, 2, 3), (4, 2, 3), (0, 4, 6), False),
+        (cudnn_calls.TOP_LEFT, (0, 4, 6), (0, 13, 15), (4, 2, 3), (4, 2, 3), (0, 4, 6), False),
         # and its 3 earlier keys (rows 10-12) run non-causal into side rows 0-1
-        (cudnn_frontend.FULL, (4,), (10,), (2,), (3,), (0,), True),
+        (cudnn_calls.FULL, (4,), (10,), (2,), (3,), (0,), True),
     ]
     with pytest.raises(ValueError, match="suffix_strategy"):
-        cudnn_frontend.plan_calls(seqs, "top_left")
+        cudnn_calls.plan_calls(seqs, "top_left")
     with pytest.raises(ValueError, match="suffix_strategy"):
-        cudnn_frontend.CudnnOptions(suffix_strategy="top_left")
+        cudnn_backend.CudnnOptions(suffix_strategy="top_left")
 
 
 def test_cudnn_plan_buckets():
     """Batch sizes and lengths round up <= 25% (4 steps per octave), never below the minimum."""
-    assert [cudnn_frontend.bucket(n, 1) for n in (1, 2, 5, 9, 17, 100)] == [1, 2, 5, 10, 20, 112]
-    assert [cudnn_frontend.bucket(n, 128) for n in (1, 128, 129, 1000, 65536, 65537)] == [
+    assert [cudnn_calls.bucket(n, 1) for n in (1, 2, 5, 9, 17, 100)] == [1, 2, 5, 10, 20, 112]
+    assert [cudnn_calls.bucket(n, 128) for n in (1, 128, 129, 1000, 65536, 65537)] == [
         128,
         128,
         160,
@@ -673,6 +674,6 @@ def test_cudnn_plan_buckets():
         81920,
     ]
     for n in range(129, 70000, 97):
-        assert n <= cudnn_frontend.bucket(n, 128) <= 1.25 * n
+        assert n <= cudnn_calls.bucket(n, 128) <= 1.25 * n
     # a training run's varying lengths map to few plans: every length in (32K, 64K] -> 4 buckets
-    assert {cudnn_frontend.bucket(n, 128) for n in range(32769, 65537)} == {40960, 49152, 57344, 65536}
+    assert {cudnn_calls.bucket(n, 128) for n in range(32769, 65537)} == {40960, 49152, 57344, 65536}

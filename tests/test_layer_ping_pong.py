@@ -12,7 +12,7 @@
   forward in backward); the engine's bytes and kernel runs equal the serial run's; and the stages ran in
   the interleaved order in forward AND backward (the chain of engine nodes): nano-batch A's dispatch is in
   flight while B computes, and so on (the exact sequence is the simulator's schedule,
-  hf_distca.planning.schedule.layer_ping_pong: what benchmarks/simulate.py times is what the engine runs).
+  benchmarks/sim/schedule.py's layer_ping_pong: what benchmarks/simulate.py times is what the engine runs).
 """
 
 from __future__ import annotations
@@ -38,14 +38,14 @@ from test_engine_remat import (
 from tolerances import TOL
 from transformers import DataCollatorWithFlattening, MixtralConfig, MixtralForCausalLM
 
+from benchmarks.sim.schedule import layer_ping_pong
 from hf_distca import DistCAConfig, enable_distca, metrics, nano_batch_loss
-from hf_distca.attention import decoder_layer_weights
 from hf_distca.data import DistCABatches
 from hf_distca.data.baselines import LAYOUTS
 from hf_distca.data.nano import NANO_BATCHES, nano_tokens_per_rank, split_documents
 from hf_distca.engine import interleave
+from hf_distca.engine.pricing import decoder_layer_weights
 from hf_distca.planning.cost import LINEAR_PAIRS_PER_TOKEN, causal_pairs
-from hf_distca.planning.schedule import layer_ping_pong
 
 LENGTHS = [150, 40, 25, 9, 31, 60, 70]
 TOKENS_PER_RANK = 256
@@ -274,7 +274,7 @@ the other operations (layer work, waits for a dispatch) have none."""
 
 def _expected_stages(layers: int) -> tuple[list[str], list[str]]:
     """The stages' order in forward and backward as the simulator's schedule
-    (hf_distca.planning.schedule.layer_ping_pong) has it, ``stage.<nano><layer>`` with nano-batch 0 as A:
+    (benchmarks/sim/schedule.py's layer_ping_pong) has it, ``stage.<nano><layer>`` with nano-batch 0 as A:
     the engine must run exactly this order, so the simulator times what the engine does."""
     fwd, bwd = [], []
     for op in layer_ping_pong(layers):

@@ -23,7 +23,7 @@ import hf_distca.linear.ops.chunked as chunked
 import hf_distca.linear.ops.fla_backend as fla_backend
 import hf_distca.linear.ops.local as local
 from hf_distca.linear import LinearSPConfig
-from hf_distca.linear.ops import fla_kind, fla_unsafe_reason, recurrence, resolve_backend
+from hf_distca.linear.ops import fla_kind, fla_unsafe_reason, recurrence, resolve_linear_backend
 
 SCALE = 0.5
 CHUNK = 8
@@ -271,32 +271,32 @@ def fake_cuda(monkeypatch):
 
 def test_resolve_backend_auto_and_explicit(fake_cuda):
     cpu = torch.device("cpu")
-    assert resolve_backend("auto", cpu, kind="delta") == "reference"  # CPU: the reference
-    assert resolve_backend("chunked", cpu) == "chunked"
-    assert resolve_backend("fla", cpu) == "fla"  # the fla backend itself refuses CPU tensors
+    assert resolve_linear_backend("auto", cpu, kind="delta") == "reference"  # CPU: the reference
+    assert resolve_linear_backend("chunked", cpu) == "chunked"
+    assert resolve_linear_backend("fla", cpu) == "fla"  # the fla backend itself refuses CPU tensors
     cuda = fake_cuda(HOPPER, "3.6.0")  # the H200 of issue 15: Triton 3.6 (torch 2.11), no tilelang
-    chosen = {kind: resolve_backend("auto", cuda, kind=kind) for kind in KINDS}
+    chosen = {kind: resolve_linear_backend("auto", cuda, kind=kind) for kind in KINDS}
     # scalar, delta: fla is wrong there; the others: correct, but fla's first call takes minutes on the H200
     assert chosen == dict.fromkeys(KINDS, "chunked")
-    assert resolve_backend("fla", cuda, kind="vector") == "fla"  # asked for explicitly: it runs
-    assert resolve_backend("auto", cuda) == "chunked"  # kind unknown: safe for every kind
-    assert resolve_backend("chunked", cuda, kind="const") == "chunked"
-    assert resolve_backend("reference", cuda, kind="delta") == "reference"
-    assert resolve_backend("fla", cuda, kind="const") == "fla"
+    assert resolve_linear_backend("fla", cuda, kind="vector") == "fla"  # asked for explicitly: it runs
+    assert resolve_linear_backend("auto", cuda) == "chunked"  # kind unknown: safe for every kind
+    assert resolve_linear_backend("chunked", cuda, kind="const") == "chunked"
+    assert resolve_linear_backend("reference", cuda, kind="delta") == "reference"
+    assert resolve_linear_backend("fla", cuda, kind="const") == "fla"
     with pytest.raises(ValueError, match="backend='chunked'.*3.7.1.*tilelang"):
-        resolve_backend("fla", cuda, kind="delta")
+        resolve_linear_backend("fla", cuda, kind="delta")
     with pytest.raises(ValueError, match="Triton 3.6.0"):
-        resolve_backend("fla", cuda, kind="scalar", dtype=torch.bfloat16)
+        resolve_linear_backend("fla", cuda, kind="scalar", dtype=torch.bfloat16)
     fake_cuda(HOPPER, "3.7.1")
-    assert {resolve_backend("auto", cuda, kind=kind) for kind in KINDS} == {"fla"}
+    assert {resolve_linear_backend("auto", cuda, kind=kind) for kind in KINDS} == {"fla"}
     fake_cuda(HOPPER, "3.6.0", tilelang=True)
-    assert resolve_backend("auto", cuda, kind="delta") == "fla"
-    assert resolve_backend("auto", cuda, kind="scalar", dtype=torch.bfloat16) == "chunked"
-    assert resolve_backend("auto", cuda, kind="scalar", dtype=torch.float32) == "fla"
+    assert resolve_linear_backend("auto", cuda, kind="delta") == "fla"
+    assert resolve_linear_backend("auto", cuda, kind="scalar", dtype=torch.bfloat16) == "chunked"
+    assert resolve_linear_backend("auto", cuda, kind="scalar", dtype=torch.float32) == "fla"
     fake_cuda(AMPERE, "3.6.0")
-    assert {resolve_backend("auto", cuda, kind=kind) for kind in KINDS} == {"fla"}
+    assert {resolve_linear_backend("auto", cuda, kind=kind) for kind in KINDS} == {"fla"}
     fake_cuda(AMPERE, "3.6.0", fla=False)
-    assert resolve_backend("auto", cuda, kind="const") == "chunked"  # no fla: chunked on CUDA
+    assert resolve_linear_backend("auto", cuda, kind="const") == "chunked"  # no fla: chunked on CUDA
 
 
 def test_model_preparation_picks_the_backend(fake_cuda):

@@ -1,17 +1,19 @@
 """The link probe (DistCAConfig(measure_link=True)) on 2 gloo processes: every rank measures the same
-figure at the same point, once per group, and plans with it; the attention stays exact."""
+figure at the explicit probe point, once per group, and plans with it; the attention stays exact; an
+engine call without the probe raises instead of measuring inside the call."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_distributed
 from oracle import assert_close, named_layouts, oracle_with_grads, random_qkv
 
-from hf_distca import DistCAConfig, core_attention, plan_core_attention
-from hf_distca.engine import clear_plan_cache, link_probe, prepare
+from hf_distca import DistCAConfig, core_attention, metrics, plan_core_attention
+from hf_distca.engine import engine_state, link_probe, prepare, probe
 from hf_distca.planning import attention_flops_per_pair
 
 HQ, HKV, D = 4, 2, 8
@@ -32,7 +34,14 @@ def _worker(rank: int, world: int) -> dict:
         q_all, k_all, v_all, w_all = random_qkv(layout.total, HQ, HKV, D, torch.float64, seed=3)
         rows = torch.as_tensor(layout.rows(rank))
         q, k, v = (t[rows].clone().requires_grad_(True) for t in (q_all, k_all, v_all))
-        clear_plan_cache()
+        engine_state().reset()
+        with pytest.raises(RuntimeError, match="link of this process group was not measured"):
+            core_attention(q, k, v, layout.pieces[rank], config=CONFIG, all_pieces=layout.pieces)
+        assert not calls  # the engine call raised before any collective: nothing measured
+        metrics.reset()
+        for _ in range(2):  # the explicit probe point, twice: measured once per group
+            probe(CONFIG, device=q.device)
+        probes = metrics.snapshot()
         out = core_attention(q, k, v, layout.pieces[rank], config=CONFIG, all_pieces=layout.pieces)
         (out * w_all[rows]).sum().backward()
         measured = link_probe.measured_link_gib_per_s(None)
@@ -42,6 +51,7 @@ def _worker(rank: int, world: int) -> dict:
         return {
             "gib": measured,
             "probes": len(calls),
+            "recorded": (probes.probes, probes.probe_seconds > 0),
             "digest": prepared.plan.digest(),
             "priced": prepared.plan.critical_path_after is not None,
             "out": out.detach(),
@@ -60,12 +70,15 @@ def test_link_probe_on_gloo():
     assert gib is not None and 0 < gib < math.inf
     for rank, res in enumerate(results):
         assert res["gib"] == gib and res["probes"] == 1 and res["priced"], rank  # one agreed figure
+        assert res["recorded"] == (1, True), (
+            rank
+        )  # the round that measured is in the metrics (not the second)
         assert res["digest"] == results[0]["digest"], rank  # one plan
         assert res["peers"] == [r for r in range(world) if r != rank]
     # the plan is the planner's with the measured figure
     plan = plan_core_attention(
         layout.pieces, q_row_bytes=HQ * D * 8, kv_row_bytes=2 * HKV * D * 8,
-        config=DistCAConfig(**{**CONFIG.__dict__, "link_gib_per_s": gib}),
+        options=DistCAConfig(**{**CONFIG.__dict__, "link_gib_per_s": gib}).planner_options(),
         flops_per_pair=attention_flops_per_pair(HQ, D),
     )  # fmt: skip
     assert plan.digest() == results[0]["digest"]

@@ -176,7 +176,7 @@ def _train_loop(rank: int, world: int, ping_pong: bool | str, shard: bool, relay
         losses.append(float(step_loss))
     stats = metrics.snapshot(reset=True)
     sharded = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
-    layer_weights = hf_distca.attention.decoder_layer_weights(model)  # of the sharded model: full shapes
+    layer_weights = hf_distca.engine.pricing.decoder_layer_weights(model)  # of the sharded model: full shapes
     weights = {
         n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
         for n, p in model.named_parameters()

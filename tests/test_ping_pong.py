@@ -17,14 +17,13 @@
   no extra bytes); signal-only exchanges send one byte.
 - Through the recipe on 2 processes (tests/run_recipes.py, DDP, gradient checkpointing): ``--ping-pong`` and
   ``--no-ping-pong`` train to the same losses and weights; the flags come from DistCAConfig.
-- benchmarks/bench_ping_pong.py: its trace summary on a hand-made trace, and its ``--cpu`` smoke run.
+- benchmarks/bench_ping_pong.py: its trace summary (benchmarks/trace_summary.py) on a hand-made trace, and its ``--cpu`` smoke run.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -36,14 +35,15 @@ from oracle import TOL, Layout, assert_close, named_layouts, oracle_with_grads, 
 from run_recipes import launch
 from test_engine_remat import LAYERS, MODES, assert_grads_close, check_modes, run_model_steps
 
+from benchmarks.signal_only import signal_only
+from benchmarks.trace_summary import summarize_trace
 from hf_distca import DistCAConfig, core_attention, metrics, plan_core_attention
 from hf_distca import engine as eng
-from hf_distca.comm import signal_only
-from hf_distca.engine.nano import nano_batches
+from hf_distca.engine.ping_pong import ping_pong_parts
 from hf_distca.engine.prepare import PreparedAttention
 from hf_distca.kernels import reference_varlen_attention
 from hf_distca.planning import CATask, DocIndex, build_dispatch_index, causal_pairs, traffic
-from hf_distca.planning.nano import BALANCE, DUPLICATE_GAP, split_server_tasks
+from hf_distca.planning.ping_pong import BALANCE, DUPLICATE_GAP, split_server_tasks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 D = 8
@@ -145,8 +145,10 @@ def test_ping_pong_split_layouts_and_indices(world):
         for layout in named_layouts(world, seed):
             for shard, split in ((8, "halves"), (16, "halves"), (8, "local_first")):
                 config = DistCAConfig(shard_tokens=shard, tolerance=0.1)
-                plan = plan_core_attention(layout.pieces, q_row_bytes=32, kv_row_bytes=64, config=config)
-                splits = [nano_batches(_prepared(plan, r, 4, 2), shard, split) for r in range(world)]
+                plan = plan_core_attention(
+                    layout.pieces, q_row_bytes=32, kv_row_bytes=64, options=config.planner_options()
+                )
+                splits = [ping_pong_parts(_prepared(plan, r, 4, 2), shard, split) for r in range(world)]
                 label = f"{layout.name}/seed {seed}/shard {shard}/{split}"
                 for server, tasks in enumerate(plan.tasks):
                     parts = [part.plan.tasks[server] for part in splits[0].parts]
@@ -214,7 +216,7 @@ def _run(q, k, v, w, layout: Layout, rank: int, config: DistCAConfig) -> dict:
 def _attention_case(rank: int, case: dict) -> dict:
     layout: Layout = case["layout"]
     q, k, v, w = _qkv(layout, rank, case)
-    eng.clear_plan_cache()
+    eng.engine_state().reset()
     cfg = case["config"]
     serial = _run(q, k, v, w, layout, rank, DistCAConfig(**{**vars(cfg), "ping_pong": False}))
     pp = _run(q, k, v, w, layout, rank, cfg)
@@ -229,7 +231,7 @@ def _parts(prep, rank: int, cfg: DistCAConfig) -> list[dict]:
     if not prep.communicates:
         return []
     parts = []
-    for part in nano_batches(prep, cfg.shard_tokens, cfg.ping_pong_split).parts:
+    for part in ping_pong_parts(prep, cfg.shard_tokens, cfg.ping_pong_split).parts:
         ix = part.index
         parts.append({
             "tasks": part.plan.tasks, "sent": part.plan.bytes_sent[rank], "received": part.plan.bytes_received[rank],
@@ -527,17 +529,9 @@ def test_gpu_engine_check_script_on_cpu():
 
 
 # ---------------------------------------------------------------------------- the GPU benchmark
-def _bench():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    import bench_ping_pong
-
-    return bench_ping_pong
-
-
 def test_ping_pong_bench_trace_summary():
     """The timeline summary on a hand-made trace: an NCCL kernel of 10 us of which 4 run beside a
     compute kernel; the server kernel counted for its call; calls numbered per pass."""
-    summarize = _bench().summarize_trace
 
     def cpu(name, ts, dur, tid=1):
         return {
@@ -569,7 +563,7 @@ def test_ping_pong_bench_trace_summary():
         kernel("ncclDevKernel_AllReduce(y)", 5, 132, 6, 21),
         kernel("ncclDevKernel_SendRecv(x)", 6, 140, 8, 20),
     ]  # fmt: skip
-    summary = summarize({"traceEvents": events})
+    summary = summarize_trace({"traceEvents": events})
     fwd, bwd = summary["calls"]
     assert (fwd["pass"], fwd["call"], bwd["pass"], bwd["call"]) == ("fwd", 0, "bwd", 0)
     assert fwd["stages"] == ["dispatch.0", "dispatch.1", "compute.0"]
@@ -596,7 +590,7 @@ def test_ping_pong_bench_cpu_smoke(tmp_path):
         "--link", "gloo", "--out", str(tmp_path / "pp.md"), "--json", str(tmp_path / "pp.json"),
         "--trace-dir", str(tmp_path / "traces"), "--passes", "2",
     ]  # fmt: skip
-    launch(2, [["benchmarks/bench_ping_pong.py", argv]], tmp_path)
+    launch(2, [["benchmarks.bench_ping_pong", argv]], tmp_path)
     results = json.loads((tmp_path / "pp.json").read_text())
     (res,) = results.values()
     modes = res["modes"]

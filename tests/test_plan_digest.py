@@ -89,13 +89,17 @@ def digests() -> dict[str, str]:
     for lname, pieces in _layouts():
         for cname, fields, extra in _configs():
             plan = plan_core_attention(
-                pieces, q_row_bytes=Q_ROW, kv_row_bytes=KV_ROW, config=DistCAConfig(**fields),
+                pieces, q_row_bytes=Q_ROW, kv_row_bytes=KV_ROW, options=DistCAConfig(**fields).planner_options(),
                 flops_per_pair=FLOPS, **extra,
             )  # fmt: skip
             out[f"{lname}/{cname}"] = _plan_digest(plan)
         config = DistCAConfig(tolerance=0.05, shard_tokens=16, link_gib_per_s=1e-2)
         plan = plan_core_attention(
-            pieces, q_row_bytes=Q_ROW, kv_row_bytes=KV_ROW, config=config, cost_model=_measured()
+            pieces,
+            q_row_bytes=Q_ROW,
+            kv_row_bytes=KV_ROW,
+            options=config.planner_options(),
+            cost_model=_measured(),
         )
         out[f"{lname}/measured"] = _plan_digest(plan)
     shipped = MeasuredCost.from_dict(shipped_table_data(SHIPPED), SHIPPED)
@@ -105,7 +109,7 @@ def digests() -> dict[str, str]:
             pieces,
             q_row_bytes=8192,
             kv_row_bytes=4096,
-            config=DistCAConfig(**fields),
+            options=DistCAConfig(**fields).planner_options(),
             cost_model=shipped,
             **extra,
         )

@@ -9,6 +9,7 @@ of a kernel row that computed that very (document, position) against that docume
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 
 import numpy as np
@@ -18,15 +19,16 @@ from hypothesis import strategies as st
 from oracle import TOL, Layout, pack_sequential, scatter
 
 from hf_distca import DistCAConfig, Piece, PieceError, calibrate, plan_core_attention
+from hf_distca.config import cost_model_from_config
 from hf_distca.planning import (
     CausalPairsCost,
     DocIndex,
     MeasuredCost,
     build_dispatch_index,
     causal_pairs,
-    cost_model_from_config,
 )
 from hf_distca.planning.cost import write_cost_table
+from hf_distca.planning.options import PlannerOptions
 from hf_distca.planning.window import attended_pairs
 
 Q_ROW, KV_ROW = 64, 48  # bytes per token of Q (= output) and of K plus V, as the engine would pass them
@@ -36,7 +38,11 @@ SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[Heal
 
 def _plan(pieces, config, cost_model=None, q_row=Q_ROW, kv_row=KV_ROW):
     return plan_core_attention(
-        pieces, q_row_bytes=q_row, kv_row_bytes=kv_row, config=config, cost_model=cost_model
+        pieces,
+        q_row_bytes=q_row,
+        kv_row_bytes=kv_row,
+        options=config.planner_options(),
+        cost_model=cost_model,
     )
 
 
@@ -254,7 +260,7 @@ def test_plan_invariants_and_simulated_dispatch(layout, config):
 def test_windowed_plan_invariants_and_simulated_dispatch(layout, config, window):
     """Sliding-window layers: tasks read only their windows' keys, pairs are min(i + 1, W) per query."""
     plan = plan_core_attention(
-        layout.pieces, q_row_bytes=Q_ROW, kv_row_bytes=KV_ROW, config=config, window=window
+        layout.pieces, q_row_bytes=Q_ROW, kv_row_bytes=KV_ROW, options=config.planner_options(), window=window
     )
     assert plan.window == window
     check_plan(plan, layout, config)
@@ -274,7 +280,7 @@ def test_windowed_plan_invariants_and_simulated_dispatch(layout, config, window)
 )
 def test_windowed_receive_bound_respected(layout, window, config):
     plan = plan_core_attention(
-        layout.pieces, q_row_bytes=Q_ROW, kv_row_bytes=KV_ROW, config=config, window=window
+        layout.pieces, q_row_bytes=Q_ROW, kv_row_bytes=KV_ROW, options=config.planner_options(), window=window
     )
     check_plan(plan, layout, config)
     simulate(plan, layout)
@@ -465,6 +471,21 @@ def test_moves_prefer_flops_per_byte():
     moved = [t for t in plan.tasks[1] if t.doc_id != 100]
     assert moved and all(t.doc_id == 0 for t in moved)
     assert plan.imbalance_after <= 1.1
+
+
+def test_planner_options_are_the_configs_fields():
+    """The planner's options keep the config's names, defaults and meanings: DistCAConfig() plans as
+    PlannerOptions() does, and planner_options() copies every field."""
+    assert DistCAConfig().planner_options() == PlannerOptions()
+    config = DistCAConfig(tolerance=None, shard_tokens=16, max_recv_bytes_per_server=1 << 20, ranks_per_node=2,
+                          link_gib_per_s=3.0, intra_node_gib_per_s=30.0, kv_relay=True, comm_overlap=0.5,
+                          attention_tflops=200.0, max_send_bytes_per_rank=1 << 22, max_planner_moves=7,
+                          layer_seconds_per_token=1e-6, layer_ping_pong=True)  # fmt: skip
+    options = config.planner_options()
+    for field in dataclasses.fields(PlannerOptions):
+        assert getattr(options, field.name) == getattr(config, field.name), field.name
+        assert field.default == getattr(DistCAConfig(), field.name), field.name
+    assert options.balance_tolerance == config.balance_tolerance == 0.02  # priced: PRICED_TOLERANCE
 
 
 def test_world_of_one_and_empty_ranks():
@@ -665,7 +686,9 @@ def test_window_prices_and_balances_windowed_pairs_and_sends_only_the_window():
     window, lens = 1024, [8192, 512, 512, 512]
     pieces = [[(0, 0, 8192)], [(1, 0, 512)], [(2, 0, 512)], [(3, 0, 512)]]
     config = DistCAConfig(shard_tokens=128, tolerance=0.1)
-    plan = plan_core_attention(pieces, q_row_bytes=Q_ROW, kv_row_bytes=KV_ROW, config=config, window=window)
+    plan = plan_core_attention(
+        pieces, q_row_bytes=Q_ROW, kv_row_bytes=KV_ROW, options=config.planner_options(), window=window
+    )
     assert plan.pairs_before == [1024 * 1025 // 2 + 1024 * (8192 - 1024)] + [512 * 513 // 2] * 3
     assert plan.load_before == [float(p) for p in plan.pairs_before]
     assert plan.moves > 0 and plan.imbalance_after <= 1.1 * (1 + TOL["balance"][0])
@@ -682,7 +705,9 @@ def test_window_prices_and_balances_windowed_pairs_and_sends_only_the_window():
     check_plan(plan, Layout("window", [0, 1, 2, 3], lens, pieces), config)
     simulate(plan, Layout("window", [0, 1, 2, 3], lens, pieces))
     # the same documents planned as full causal attention: other loads, more KV sent
-    causal = plan_core_attention(pieces, q_row_bytes=Q_ROW, kv_row_bytes=KV_ROW, config=config)
+    causal = plan_core_attention(
+        pieces, q_row_bytes=Q_ROW, kv_row_bytes=KV_ROW, options=config.planner_options()
+    )
     assert causal.pairs_before[0] == causal_pairs(0, 8192) > plan.pairs_before[0]
     per_kv_row = sum(plan.bytes_sent) / max(1, sum(t.q_len for _, t in moved))
     per_kv_row_causal = sum(causal.bytes_sent) / sum(

@@ -14,7 +14,7 @@ from oracle import scatter
 
 from hf_distca import DistCAConfig, metrics, plan_core_attention
 from hf_distca.data import DistCABatches
-from hf_distca.engine import clear_plan_cache, prefetch
+from hf_distca.engine import engine_state, prefetch
 from hf_distca.engine.prepare import _planned
 from hf_distca.planning import MeasuredCost, attention_flops_per_pair, causal_pairs
 
@@ -51,24 +51,24 @@ def _summary(plan) -> tuple:
 
 
 def test_prefetched_plans_are_the_inline_plans_and_are_used():
-    prefetch.start(wait=True)  # until the worker runs, the engine plans inline
-    clear_plan_cache()
+    engine_state().prefetcher.start(wait=True)  # until the worker runs, the engine plans inline
+    engine_state().reset()
     metrics.reset()
     first, second = _layout(0), _layout(1)
-    assert prefetch.prefetch_plans(second) == 0  # no context before the engine's first plan
+    assert engine_state().prefetcher.prefetch_plans(second) == 0  # no context before the engine's first plan
     for window in WINDOWS:  # the engine plans the first micro-batch inline, remembering both contexts
         _plan(first, window)
     assert (metrics.snapshot().plans, metrics.snapshot().plans_prefetched) == (2, 0)
-    assert prefetch.prefetch_plans(second) == len(WINDOWS)
-    assert prefetch.prefetch_plans(second) == 0  # already pending
-    assert prefetch.prefetch_plans(second[:-1]) == 0  # another group size: no context
+    assert engine_state().prefetcher.prefetch_plans(second) == len(WINDOWS)
+    assert engine_state().prefetcher.prefetch_plans(second) == 0  # already pending
+    assert engine_state().prefetcher.prefetch_plans(second[:-1]) == 0  # another group size: no context
     for window in WINDOWS:
         prepared = _plan(second, window)
         inline = plan_core_attention(  # the oracle: the planner called directly with the engine's arguments
             second,
             q_row_bytes=HQ * D * 4,
             kv_row_bytes=2 * HKV * D * 4,
-            config=CONFIG,
+            options=CONFIG.planner_options(),
             cost_model=_measured().with_window(window),
             flops_per_pair=attention_flops_per_pair(HQ, D),
             window=window,
@@ -81,7 +81,7 @@ def test_prefetched_plans_are_the_inline_plans_and_are_used():
     # another rank's key is another plan: not taken from this rank's prefetch
     _plan(second, None, rank=0)
     assert metrics.snapshot().plans_prefetched == 2
-    clear_plan_cache()
+    engine_state().reset()
 
 
 def test_loader_prefetches_the_next_micro_batch():
@@ -89,9 +89,9 @@ def test_loader_prefetches_the_next_micro_batch():
     the engine's plan of micro-batch i+1 comes from there; without the flag, nothing is submitted."""
     docs = [[1] * n for n in (300, 500, 200, 700, 400, 600, 250, 350)]
     kwargs = dict(rank=RANK, world_size=WORLD, tokens_per_rank=256, grad_accum=2, seed=1)
-    prefetch.start(wait=True)
+    engine_state().prefetcher.start(wait=True)
     for enabled in (False, True):
-        clear_plan_cache()
+        engine_state().reset()
         metrics.reset()
         layouts = []
         for batch in DistCABatches(docs, prefetch_plans=enabled, **kwargs):
@@ -102,11 +102,11 @@ def test_loader_prefetches_the_next_micro_batch():
         assert len(layouts) >= 3 and len(set(layouts)) == len(layouts) == s.plans
         # the first micro-batch is planned before any context exists, the second is submitted before that
         assert s.plans_prefetched == (len(layouts) - 2 if enabled else 0)
-    clear_plan_cache()
+    engine_state().reset()
 
 
 def _fails_with_the_worker_running(rank: int, world: int) -> None:
-    prefetch.start(wait=True)
+    engine_state().prefetcher.start(wait=True)
     raise RuntimeError("a planned failure with the planning worker running")
 
 

@@ -16,7 +16,7 @@ from oracle import Layout, named_layouts
 
 from hf_distca import DistCAConfig, plan_core_attention
 from hf_distca.planning import build_dispatch_index, traffic
-from hf_distca.planning.nano import nano_plans
+from hf_distca.planning.ping_pong import part_plans
 from hf_distca.planning.relay import check_topology, forwards, relay_kv_bytes, with_relay
 
 Q_ROW, KV_ROW = 64, 48
@@ -35,7 +35,7 @@ def _cases():
 def _plan(layout: Layout, window: int | None = None):
     config = DistCAConfig(shard_tokens=8, tolerance=0.05)
     return plan_core_attention(
-        layout.pieces, q_row_bytes=Q_ROW, kv_row_bytes=KV_ROW, config=config, window=window
+        layout.pieces, q_row_bytes=Q_ROW, kv_row_bytes=KV_ROW, options=config.planner_options(), window=window
     )
 
 
@@ -45,7 +45,7 @@ def test_relay_moves_the_direct_rows(layout: Layout, per_node: int, window: int 
     """The whole plan and each of its ping-pong nano-batches (whose indices cover part of the rows)."""
     plan = _plan(layout, window)
     relayed_any = False
-    for part, is_part in [(plan, False), *((p, True) for p in nano_plans(plan, 8, "local_first"))]:
+    for part, is_part in [(plan, False), *((p, True) for p in part_plans(plan, 8, "local_first"))]:
         relayed_any |= _check_relay(part, layout, per_node, is_part)
     assert relayed_any == forwards(plan, per_node)
 

@@ -1,4 +1,4 @@
-"""hf_distca.planning.schedule: the engine's schedules as data, and the list scheduler that times them.
+"""benchmarks/sim/schedule.py (the simulator's): the engine's schedules as data, and the list scheduler that times them.
 
 No processes except one spawn of 2 gloo ranks: the attention call's operations in the serial and the
 attention-level ping-pong schedules are in the order of the engine's own profiler ranges (a forward and
@@ -14,10 +14,10 @@ import torch.distributed as dist
 from distributed import run_distributed
 from oracle import named_layouts, random_qkv
 
+from benchmarks.sim import schedule as sch
 from hf_distca import DistCAConfig, core_attention
 from hf_distca import engine as eng
-from hf_distca.engine.nano import nano_batches
-from hf_distca.planning import schedule as sch
+from hf_distca.engine.ping_pong import ping_pong_parts
 
 
 def _names(ops):
@@ -157,7 +157,9 @@ def _engine_order(rank: int, world: int, layout, config: DistCAConfig) -> dict:
         q, k, v, layout.pieces[rank], group=dist.group.WORLD, config=config, all_pieces=layout.pieces
     )
     parts = (
-        len(nano_batches(prep, config.shard_tokens, config.ping_pong_split).parts) if config.ping_pong else 1
+        len(ping_pong_parts(prep, config.shard_tokens, config.ping_pong_split).parts)
+        if config.ping_pong
+        else 1
     )
     return {"order": [name.removeprefix("distca.") for _, name in events], "parts": parts}
 

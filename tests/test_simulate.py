@@ -1,4 +1,4 @@
-"""benchmarks/simulate.py and benchmarks/workloads.py: the simulator's parts against closed forms.
+"""benchmarks/simulate.py (its parts in benchmarks/sim/) and benchmarks/workloads.py: the simulator's parts against closed forms.
 
 Pure Python/NumPy, no processes: the kernel table reproduces its measurements, the link model its
 bandwidth points, the traffic matrices the planner's own byte counts, the linear fit its inputs, and
@@ -18,6 +18,7 @@ import sys
 import numpy as np
 import pytest
 
+from benchmarks import sim, simulate, workloads
 from hf_distca.config import DistCAConfig
 from hf_distca.data import DistCABatches, layout_pieces
 from hf_distca.data.nano import nano_tokens_per_rank, split_documents
@@ -26,9 +27,6 @@ from hf_distca.planning.cost import causal_pairs
 from hf_distca.planning.links import layer_seconds_per_token
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-import simulate as sim  # noqa: E402
-import workloads  # noqa: E402
 
 REL = 1e-9  # float64 arithmetic on the same inputs in another order
 
@@ -68,9 +66,9 @@ def test_kernel_table_from_a_calibrate_json(tmp_path, monkeypatch):
     s = sim.Setting(2, 1024, sim.ModelShape(layers=2), table, sim.Links(), sim.LinearCost.from_measurements())
     assert sim.planner_config(sim.SYSTEM_SPECS["distca"], s).cost_table == str(path)
     seen = []
-    planner = sim.plan_core_attention
+    planner = plan_core_attention
     monkeypatch.setattr(
-        sim, "plan_core_attention", lambda *a, **k: seen.append(k["cost_model"]) or planner(*a, **k)
+        sim.systems, "plan_core_attention", lambda *a, **k: seen.append(k["cost_model"]) or planner(*a, **k)
     )
     r = sim.simulate(["exact-unbalanced", "distca"], [[[1024, 128, 128]]], s)
     assert r["distca"].step_s >= r["distca"].ideal_step_s > 0
@@ -136,9 +134,10 @@ def test_model_flops_of_llama3_8b_shape():
 
 
 def test_layer_seconds_derived_from_weights_match_the_linear_fit():
-    """What enable_distca derives for layer-level ping-pong's hiding window (the layer's weights at the
+    """What enable_distca derives for layer-level ping-pong's hiding work (the layer's weights at the
     default layer_tflops) is, for the Llama-3-8B shape on an H200, the non-attention seconds per token per
-    layer fitted to DESIGN.md's measurements, within 1%; the simulator's planner uses the derived value."""
+    layer fitted to the H200 measurements (benchmarks/sim/costs.py), within 1%; the simulator's planner uses
+    the derived value."""
     model = sim.ModelShape()
     weights = 4096 * (2 * 4096 + 2 * 1024) + 3 * 4096 * 14336  # q, o; k, v; gate, up, down
     derived = 4 * 2 * weights / (DistCAConfig().layer_tflops * 1e12)  # forward, recompute, 2 x backward
@@ -164,7 +163,7 @@ def test_one_gpu_every_exact_system_is_the_ideal():
     assert tight.step_s == pytest.approx(tight.ideal_step_s, rel=REL)
     budget = dataclasses.replace(s, pad_to_budget=True)
     padded = sim.simulate(["exact-unbalanced"], [[[3000, 2000]]], budget)["exact-unbalanced"]
-    pad = s.linear.seconds(8192 - 5000, 4) + 4 * sim._task_seconds(s, 8192 - 5000, 8192 - 5000)
+    pad = s.linear.seconds(8192 - 5000, 4) + 4 * sim.pricing._task_seconds(s, 8192 - 5000, 8192 - 5000)
     assert padded.step_s == pytest.approx(padded.ideal_step_s + pad, rel=1e-6)
     # tokens/s counts real tokens; MFU = model FLOPs over time x peak
     r = results["distca"]
@@ -244,7 +243,7 @@ def test_main_writes_a_simulated_report_and_plot(tmp_path, capsys):
     sample = tmp_path / "doclens_tiny.json"
     sample.write_text(json.dumps([300, 2000, 5000, 12000, 700]))
     out = tmp_path / "sim.md"
-    rows = sim.main(["--workload", str(sample), "--workload", "long-mix", "--gpus", "2", "16", "--gpus-per-node",
+    rows = simulate.main(["--workload", str(sample), "--workload", "long-mix", "--gpus", "2", "16", "--gpus-per-node",
                      "8", "--tokens-per-rank", "16384", "--steps", "1", "--layers", "2", "--inter-node-gibps", "10",
                      "20", "--out", str(out)])  # fmt: skip
     assert [(r.workload, r.world, r.inter_gibps) for r in rows] == [
@@ -255,13 +254,19 @@ def test_main_writes_a_simulated_report_and_plot(tmp_path, capsys):
     assert "**These are simulated figures, not measurements.**" in text
     assert "--workload '<data>/doclens_tiny.json'" in text  # the command, without this machine's paths
     assert str(tmp_path) not in text
-    assert "benchmarks/results/kernels_h200.md" in text and "fitted to DESIGN.md" in text
+    assert (
+        "benchmarks/results/kernels_h200.md" in text
+        and "fitted to the H200 measurements of benchmarks/sim/costs.py" in text
+    )
     # per workload: its table, the communication table, the exposure table, the planning table
     assert text.count("| 16 | 10 | distca |") == 8
     assert text.count("| 16 | 10 | distca-comm |") == 8
     assert "## DistCA against the ideal" in text and "Headline system: **distca**" in text
     assert os.path.getsize(tmp_path / "sim.png") > 1000
-    assert sim.portable("/a/b/c.json") == "<data>/c.json" and sim.portable("x=rel/c.json") == "x=rel/c.json"
+    assert (
+        simulate.portable("/a/b/c.json") == "<data>/c.json"
+        and simulate.portable("x=rel/c.json") == "x=rel/c.json"
+    )
 
 
 def test_comm_aware_planner_in_the_simulator(monkeypatch):

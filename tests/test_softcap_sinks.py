@@ -142,7 +142,7 @@ def _check_engine_case(case: tuple, per_rank: list[dict], world: int) -> None:
     )
     elem = q_all.element_size()
     plan = plan_core_attention(
-        layout.pieces, q_row_bytes=HQ * D * elem, kv_row_bytes=2 * HKV * D * elem, config=config,
+        layout.pieces, q_row_bytes=HQ * D * elem, kv_row_bytes=2 * HKV * D * elem, options=config.planner_options(),
         flops_per_pair=attention_flops_per_pair(HQ, D), window=window,
     )  # fmt: skip
     assert plan.moves > 0 and sum(plan.bytes_sent) > 0, f"{name}: nothing moved: the case tests nothing"

@@ -13,13 +13,12 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 sys.path.insert(0, os.path.join(ROOT, "recipes"))
 import finetune_long_docs as recipe  # noqa: E402
 import sequence_parallel_long_docs as sp_recipe  # noqa: E402
 import sft_trl  # noqa: E402
-import suite  # noqa: E402
 
+from benchmarks import suite, suite_report, suite_runs  # noqa: E402
 from hf_distca.config import DistCAConfig  # noqa: E402
 
 REL = 1e-9
@@ -52,11 +51,11 @@ def test_arguments_are_checked(tmp_path, capsys):
 
 
 def test_every_system_is_a_recipe_command_on_the_same_data(tmp_path):
-    argv = base_argv(tmp_path, "--systems", *suite.SYSTEM_RUNS, "--workload", "long-mix")
+    argv = base_argv(tmp_path, "--systems", *suite_runs.SYSTEM_RUNS, "--workload", "long-mix")
     args = suite.parse_args(argv)
-    runs = suite.plan_runs(args, suite.workload_files(args))
+    runs = suite_runs.plan_runs(args, suite_runs.workload_files(args))
     assert [(r.workload, r.system) for r in runs] == [
-        (w, s) for w in ("tiny", "long-mix") for s in suite.SYSTEM_RUNS
+        (w, s) for w in ("tiny", "long-mix") for s in suite_runs.SYSTEM_RUNS
     ]
     assert os.path.exists(tmp_path / "runs" / "long-mix.json")  # the generated sample the recipe reads
     moves = DistCAConfig().max_planner_moves
@@ -92,14 +91,14 @@ def test_every_system_is_a_recipe_command_on_the_same_data(tmp_path):
             tuple(r.command[r.command.index("--doc-lengths") :][:6]) for r in runs if r.workload == workload
         }
         assert len(data) == 1
-    host = suite.plan_runs(suite.parse_args(base_argv(tmp_path, "--link", "host", "--no-liger",
+    host = suite_runs.plan_runs(suite.parse_args(base_argv(tmp_path, "--link", "host", "--no-liger",
                                                       "--accelerate-config", "c.yaml")),
-                           suite.workload_files(args))  # fmt: skip
+                           suite_runs.workload_files(args))  # fmt: skip
     assert all(r.env == {"NCCL_P2P_DISABLE": "1"} and r.out_dir.endswith("-p2p-off") for r in host)
     assert all("--liger" not in r.command and r.command[:4] == ["accelerate", "launch", "--config_file", "c.yaml"]
                for r in host)  # fmt: skip
-    own = suite.plan_runs(suite.parse_args(base_argv(tmp_path, "--accelerate-config", "c.yaml", "--systems",
-                                                     "ulysses", "torch-cp")), suite.workload_files(args))  # fmt: skip
+    own = suite_runs.plan_runs(suite.parse_args(base_argv(tmp_path, "--accelerate-config", "c.yaml", "--systems",
+                                                     "ulysses", "torch-cp")), suite_runs.workload_files(args))  # fmt: skip
     assert all(r.command[1:4] == ["-m", "torch.distributed.run", "--standalone"] for r in own)
 
 
@@ -115,7 +114,7 @@ def test_dry_run_prints_commands_and_runs_nothing(tmp_path, capsys):
 
 
 def test_execute_keeps_finished_runs_and_reports_failures(tmp_path):
-    run = suite.Run(
+    run = suite_runs.Run(
         "w",
         4096,
         "distca",
@@ -123,30 +122,32 @@ def test_execute_keeps_finished_runs_and_reports_failures(tmp_path):
         [sys.executable, "-c", "raise MemoryError('CUDA out of memory')"],
         {},
     )
-    status = suite.execute(run, steps=2, timeout=60, log=lambda *a: None)
+    status = suite_runs.execute(run, steps=2, timeout=60, log=lambda *a: None)
     assert status.startswith("failed (exit 1)") and "MemoryError: CUDA out of memory" in status
-    assert not (tmp_path / "r" / suite.STAMP_FILE).exists()  # a failed run is not stamped
+    assert not (tmp_path / "r" / suite_runs.STAMP_FILE).exists()  # a failed run is not stamped
     with open(tmp_path / "r" / "metrics.jsonl", "w") as f:
         f.writelines(json.dumps({"step": i}) + "\n" for i in (1, 2))
     # metrics without the suite's stamp (an older suite's, or a failed run's): run again
-    assert suite.stale(run).startswith("no suite_run.json")
-    assert suite.execute(run, steps=2, timeout=60, log=lambda *a: None).startswith("failed (exit 1)")
-    ok = suite.Run(
+    assert suite_runs.stale(run).startswith("no suite_run.json")
+    assert suite_runs.execute(run, steps=2, timeout=60, log=lambda *a: None).startswith("failed (exit 1)")
+    ok = suite_runs.Run(
         "w", 4096, "distca", str(tmp_path / "ok"), [sys.executable, "-c", "print('trained')"], {"X": "1"}
     )
-    assert suite.execute(ok, steps=2, timeout=60, log=lambda *a: None) == "ok"
+    assert suite_runs.execute(ok, steps=2, timeout=60, log=lambda *a: None) == "ok"
     assert (tmp_path / "ok" / "run.log").read_text() == "trained\n"
     with open(tmp_path / "ok" / "metrics.jsonl", "w") as f:
         f.writelines(json.dumps({"step": i}) + "\n" for i in (1, 2))
-    assert suite.stale(ok) is None and suite.execute(ok, steps=2, timeout=60) == "kept"  # not run again
+    assert (
+        suite_runs.stale(ok) is None and suite_runs.execute(ok, steps=2, timeout=60) == "kept"
+    )  # not run again
     # a DistCAConfig default that changed since (what the same command trains changed): run again
-    stamp = json.loads((tmp_path / "ok" / suite.STAMP_FILE).read_text())
+    stamp = json.loads((tmp_path / "ok" / suite_runs.STAMP_FILE).read_text())
     stamp["distca_defaults"]["pad_to_budget"] = True
-    (tmp_path / "ok" / suite.STAMP_FILE).write_text(json.dumps(stamp))
-    assert suite.stale(ok) == "made under other DistCAConfig defaults (pad_to_budget)"
-    assert suite.execute(ok, steps=2, timeout=60, log=lambda *a: None) == "ok"
+    (tmp_path / "ok" / suite_runs.STAMP_FILE).write_text(json.dumps(stamp))
+    assert suite_runs.stale(ok) == "made under other DistCAConfig defaults (pad_to_budget)"
+    assert suite_runs.execute(ok, steps=2, timeout=60, log=lambda *a: None) == "ok"
     other = dataclasses.replace(ok, command=[sys.executable, "-c", "print('other')"])
-    assert suite.stale(other) == "made by another command"
+    assert suite_runs.stale(other) == "made by another command"
 
 
 def fake_run(out_dir, step_times, loss=10.0, bytes_sent=(0, 0), peak=(30.0, 31.5), imbalance=1.1):
@@ -162,27 +163,29 @@ def fake_run(out_dir, step_times, loss=10.0, bytes_sent=(0, 0), peak=(30.0, 31.5
 
 
 def test_report_from_metrics_files(tmp_path):
-    argv = base_argv(tmp_path, "--report-only", "--systems", *suite.DEFAULT_SYSTEMS, "ulysses", "torch-cp")
+    argv = base_argv(
+        tmp_path, "--report-only", "--systems", *suite_runs.DEFAULT_SYSTEMS, "ulysses", "torch-cp"
+    )
     args = suite.parse_args(argv)
-    runs = {r.system: r for r in suite.plan_runs(args, suite.workload_files(args))}
+    runs = {r.system: r for r in suite_runs.plan_runs(args, suite_runs.workload_files(args))}
     times = {"hf-default": [9.0, 2.0, 2.2], "exact-unbalanced": [9.0, 3.0, 3.2], "distca": [9.0, 2.5, 2.7],
              "ulysses": [9.0, 2.8, 3.0], "torch-cp": [9.0, 1.0, 1.2]}  # fmt: skip
     sent = {"distca": (2**30, 2**31), "ulysses": (3 * 2**29, 3 * 2**29), "torch-cp": None}
     for system, step_times in times.items():
         fake_run(runs[system].out_dir, step_times, bytes_sent=sent.get(system, (0, 0)))
-        suite.write_stamp(runs[system])
+        suite_runs.write_stamp(runs[system])
     fake_run(runs["balanced"].out_dir, [9.0])  # stopped after its first step
-    suite.write_stamp(runs["balanced"])
+    suite_runs.write_stamp(runs["balanced"])
     path = suite.main(argv)
     with open(path) as f:
         text = f.read()
     assert os.path.basename(path).endswith("-t.md")
-    assert "Command: `python benchmarks/suite.py --name t" in text and "<data>/doclens_tiny.json" in text
+    assert "Command: `python -m benchmarks.suite --name t" in text and "<data>/doclens_tiny.json" in text
     assert str(tmp_path) not in text.split("Command:")[1].split("\n")[0]
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in text.splitlines() if line.startswith("| ") and "|---" not in line}  # fmt: skip
     # the replayed batches of the run: real tokens and model FLOPs per measured step
-    steps, predicted, model = suite.predict(
+    steps, predicted, model = suite_report.predict(
         args, json.loads((tmp_path / "doclens_tiny.json").read_text()), 4096, list(times)
     )
     assert set(predicted) == {"hf-default", "exact-unbalanced", "distca"}
@@ -215,7 +218,7 @@ def test_report_from_metrics_files(tmp_path):
     png = re.search(r"!\[.*\]\((.*\.png)\)", text).group(1)
     assert os.path.getsize(os.path.join(os.path.dirname(path), png)) > 1000
     # a run made under other DistCAConfig defaults is left out of the report, with the reason
-    stamp_path = os.path.join(runs["distca"].out_dir, suite.STAMP_FILE)
+    stamp_path = os.path.join(runs["distca"].out_dir, suite_runs.STAMP_FILE)
     with open(stamp_path) as f:
         stamp = json.load(f)
     stamp["distca_defaults"]["pad_to_budget"] = True

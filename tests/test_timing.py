@@ -17,7 +17,7 @@ from hf_distca import DistCAConfig, plan_core_attention
 from hf_distca.planning import (
     CausalPairsCost,
     attention_flops_per_pair,
-    link_model_from_config,
+    link_model_from_options,
     plan_critical_path,
 )
 
@@ -47,7 +47,9 @@ def test_planning_time_1000_docs_64_servers():
     config = DistCAConfig()  # balance-only: tolerance 0.1, shard_tokens 128
 
     def plan():
-        return plan_core_attention(pieces, q_row_bytes=Q_ROW, kv_row_bytes=KV_ROW, config=config)
+        return plan_core_attention(
+            pieces, q_row_bytes=Q_ROW, kv_row_bytes=KV_ROW, options=config.planner_options()
+        )
 
     seconds, times, result = median_cpu_seconds(plan, repeats=5)
     limit, _ = TOL["plan_seconds"]
@@ -66,12 +68,16 @@ def test_planning_time_priced_1000_docs_64_servers():
 
     def plan(cfg=config):
         return plan_core_attention(
-            pieces, q_row_bytes=Q_ROW, kv_row_bytes=KV_ROW, config=cfg, flops_per_pair=flops
+            pieces,
+            q_row_bytes=Q_ROW,
+            kv_row_bytes=KV_ROW,
+            options=cfg.planner_options(),
+            flops_per_pair=flops,
         )
 
     seconds, times, priced = median_cpu_seconds(plan, repeats=3)
     limit, _ = TOL["plan_seconds"]
     assert seconds < 5 * limit, times
-    link = link_model_from_config(config, CausalPairsCost(), flops)
+    link = link_model_from_options(config.planner_options(), CausalPairsCost(), flops)
     assert priced.critical_path_after < plan_critical_path(plan(DistCAConfig()), link)
     assert priced.critical_path_after < priced.critical_path_before

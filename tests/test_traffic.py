@@ -9,29 +9,23 @@ bytes the engine really sends, phase by phase, is checked on gloo processes in t
 
 from __future__ import annotations
 
-import os
-import sys
-
 import numpy as np
 import pytest
 import torch
 
+from benchmarks import sim
 from hf_distca import DistCAConfig, plan_core_attention
 from hf_distca.data import layout_pieces
-from hf_distca.engine.nano import nano_batches
+from hf_distca.engine.ping_pong import ping_pong_parts
 from hf_distca.engine.prepare import PreparedAttention
 from hf_distca.planning import (
     CausalPairsCost,
     attention_flops_per_pair,
     build_dispatch_index,
-    link_model_from_config,
+    link_model_from_options,
 )
 from hf_distca.planning import traffic as ledger
 from hf_distca.planning.links import plan_critical_path
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-import simulate as sim  # noqa: E402
 
 LENGTHS = [9000, 3000, 1200, 800, 500, 300, 200]
 HEADS, KV_HEADS, HEAD_DIM, ELEM = 4, 2, 16, 2
@@ -49,7 +43,7 @@ def _changed() -> np.ndarray:
 def _plan(config: DistCAConfig, q_row: int, kv_row: int):
     pieces = layout_pieces(LENGTHS, world_size=3, tokens_per_rank=5000)
     return plan_core_attention(
-        pieces, q_row_bytes=q_row, kv_row_bytes=kv_row, config=config,
+        pieces, q_row_bytes=q_row, kv_row_bytes=kv_row, options=config.planner_options(),
         flops_per_pair=attention_flops_per_pair(HEADS, HEAD_DIM),
     )  # fmt: skip
 
@@ -63,13 +57,15 @@ def _observed(config: DistCAConfig, plan=None) -> dict:
     )  # fmt: skip
     if plan is None:
         plan = _plan(config, s.model.q_row_bytes, s.model.kv_row_bytes)
-    link = link_model_from_config(config, CausalPairsCost(), attention_flops_per_pair(HEADS, HEAD_DIM))
+    link = link_model_from_options(
+        config.planner_options(), CausalPairsCost(), attention_flops_per_pair(HEADS, HEAD_DIM)
+    )
     prepared = PreparedAttention(
         plan=plan, index=build_dispatch_index(plan, 0), q_heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
         cu_seqlens_q=torch.zeros(1, dtype=torch.int32), cu_seqlens_k=torch.zeros(1, dtype=torch.int32),
         flops_before=[], flops_after=[],
     )  # fmt: skip
-    parts = nano_batches(prepared, config.shard_tokens, "halves").parts
+    parts = ping_pong_parts(prepared, config.shard_tokens, "halves").parts
     return {
         "plan": plan,
         "ledger": ledger.plan_bytes(plan),

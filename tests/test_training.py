@@ -21,7 +21,7 @@ from run_recipes import baseline_args, exact_run_args, launch
 from safetensors.torch import load_file
 from tolerances import TOL
 
-from hf_distca.config import BALANCE_ONLY_TOLERANCE
+from hf_distca.planning.options import BALANCE_ONLY_TOLERANCE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -19,7 +19,7 @@ def _run(*argv: str) -> str:
 
 
 def test_bench_kernels_windows_smoke():
-    out = _run("benchmarks/bench_kernels.py", "--smoke", "--windows", "64", "128")
+    out = _run("-m", "benchmarks.bench_kernels", "--smoke", "--windows", "64", "128")
     table = out.split("| window |")[-1]  # the final table (rows are also printed as they are measured)
     rows = [
         line.split("|") for line in table.splitlines() if line.startswith(("| causal", "| 64 ", "| 128 "))
@@ -30,6 +30,6 @@ def test_bench_kernels_windows_smoke():
 
 
 def test_bench_window_step_smoke():
-    out = _run("benchmarks/bench_window_step.py", "--cpu", "--modes", "distca,cut-to-window")
+    out = _run("-m", "benchmarks.bench_window_step", "--cpu", "--modes", "distca,cut-to-window")
     rows = [line for line in out.splitlines() if line.startswith(("| distca", "| cut-to-window"))]
     assert len(rows) == 2 and "error" not in out.split("| mode |")[1], out

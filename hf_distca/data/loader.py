@@ -15,8 +15,8 @@ from torch.utils.data import DataLoader, IterableDataset
 from hf_distca.data.nano import NANO_BATCHES, nano_tokens_per_rank, split_documents, whole_tokens_per_rank
 from hf_distca.data.rebatch import LayoutFn, layout_balanced, layout_for_rank
 from hf_distca.data.sampler import plan_global_batches
-from hf_distca.engine import prefetch
 from hf_distca.engine.compiled import register_layout
+from hf_distca.engine.state import engine_state
 from hf_distca.planning.window import attended_pairs
 
 
@@ -126,7 +126,7 @@ class DistCABatches(IterableDataset):
         to step. True: at ``tokens_per_rank`` (the same shapes every step, the ranks' room padded)."""
         self.prefetch_plans = prefetch_plans
         """Hand each micro-batch's layouts to the engine's background planner when the micro-batch before
-        it is yielded (:func:`hf_distca.engine.prefetch.prefetch_plans`; ``DistCAConfig.prefetch_plans``)."""
+        it is yielded (:meth:`hf_distca.engine.prefetch.Prefetcher.prefetch_plans`; ``DistCAConfig.prefetch_plans``)."""
         self.epoch = 0
         self.current_step: int | None = None
         """Stream index of the step whose micro-batch was yielded last (None before the first)."""
@@ -182,8 +182,9 @@ class DistCABatches(IterableDataset):
         budget = self.tokens_per_rank * self.world_size  # the sampler reports longer documents as truncated
         first = self.epoch * self.steps_per_epoch
         look_ahead = self.prefetch_plans and self.disaggregate
+        prefetcher = engine_state().prefetcher
         if look_ahead:
-            prefetch.start()
+            prefetcher.start()
         ahead = None  # (step, batch, all_pieces): with look_ahead, built one micro-batch ahead
         for index in range(first, first + self.steps_per_epoch):
             for doc_indices in self.step(index):
@@ -193,7 +194,7 @@ class DistCABatches(IterableDataset):
                     continue
                 if ahead is not None:
                     for layout in _layouts_of(built[1]):
-                        prefetch.prefetch_plans(layout.all_pieces)
+                        prefetcher.prefetch_plans(layout.all_pieces)
                     yield self._yielded(*ahead)
                 ahead = built
         if ahead is not None:

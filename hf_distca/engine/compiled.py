@@ -20,30 +20,28 @@ cached; a rebuilt plan is identical) and runs the eager runner's backward.
 Under ``mode="reduce-overhead"`` (CUDA graphs) the ops run between the captured partitions: they carry
 ``torch.Tag.cudagraph_unsafe``.
 
-Rematerialization-aware checkpointing (:mod:`hf_distca.checkpointing`) holds either way: a checkpoint traced
+Rematerialization-aware checkpointing (:mod:`hf_distca.engine.remat`) holds either way: a checkpoint traced
 inside the compiled region keeps these ops' outputs by torch's selective checkpointing; an eager checkpoint
 around a compiled region (each decoder layer compiled) hands the kept results to these ops at run time.
 """
 
 from __future__ import annotations
 
-import itertools
 import weakref
-from collections import OrderedDict
 from typing import Any
 
 import torch
 
 from hf_distca import metrics
-from hf_distca.checkpointing import keep_for_recompute, take_saved_attention
 from hf_distca.engine.op import LocalRunner, engine_runner
 from hf_distca.engine.prepare import prepare
+from hf_distca.engine.remat import CORE_FWD_OP, LOCAL_FWD_OP, keep_for_recompute, take_saved_attention
 from hf_distca.engine.stages import Kernel
-from hf_distca.kernels import ForwardTensors, VarlenLayout
+from hf_distca.engine.state import RUNNER_CACHE_SIZE, engine_state
+from hf_distca.kernels import ForwardTensors, VarlenOffsets
 from hf_distca.packing import cu_seqlens_from_lengths, packed_document_lengths
 
 __all__ = [
-    "attention_forward_ops",
     "compiled_core_attention",
     "compiled_local_attention",
     "register_layout",
@@ -54,26 +52,21 @@ __all__ = [
 # Inductor's graph partitioning (on by default since torch 2.9) splits a mode="reduce-overhead" graph around
 # ops tagged so, and replays only the partitions between them.
 _OUTSIDE_CUDA_GRAPHS = (torch.Tag.cudagraph_unsafe,)
-_keys = itertools.count(1)
-_layouts: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
-_runtimes: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
-_RUNNER_CACHE_SIZE = 16
-_runners: OrderedDict[tuple, tuple[Any, Any]] = OrderedDict()
 
 
 def register_layout(layout: Any) -> torch.Tensor:
     """A 0-d int64 CPU tensor naming ``layout`` (an object with ``pieces`` and ``all_pieces``) for the
-    compiled ops; the layout is held weakly: keep it alive until its backward has run (the batch does)."""
-    key = next(_keys)
-    _layouts[key] = layout
-    return torch.tensor(key, dtype=torch.int64)
+    compiled ops, in the process's engine state; the layout is held weakly: keep it alive until its
+    backward has run (the batch does)."""
+    state = engine_state()
+    return torch.tensor(state.name(layout, state.layouts), dtype=torch.int64)
 
 
 def register_runtime(runtime: Any) -> int:
-    """The integer key of ``runtime`` (a :class:`hf_distca.attention.DistCARuntime`), held weakly."""
-    key = next(_keys)
-    _runtimes[key] = runtime
-    return key
+    """The integer key of ``runtime`` (a :class:`hf_distca.attention.DistCARuntime`: ``group``, ``config``
+    and its engine ``state``) in the process's engine state, held weakly."""
+    state = engine_state()
+    return state.name(runtime, state.runtimes)
 
 
 def _lse_dtype(q: torch.Tensor) -> torch.dtype:
@@ -122,24 +115,26 @@ def _core_runner(q, k, v, token: torch.Tensor, runtime_key: int, scale: float | 
     shapes (a model's local and global layers share the layout, not the plan)."""
     layout_key = int(token)
     key = (layout_key, runtime_key, scale, window, tuple(q.shape), tuple(k.shape), q.dtype, str(q.device))
-    hit = _runners.get(key)
+    names = engine_state()
+    runtime = _lookup(names.runtimes, runtime_key, "runtime")
+    runners = runtime.state.runners
+    hit = runners.get(key)
     if hit is not None:
-        _runners.move_to_end(key)
+        runners.move_to_end(key)
         return hit
-    layout = _lookup(_layouts, layout_key, "layout")
-    runtime = _lookup(_runtimes, runtime_key, "runtime")
+    layout = _lookup(names.layouts, layout_key, "layout")
     prepared = prepare(q, k, v, layout.pieces, group=runtime.group, config=runtime.config,
-                       all_pieces=layout.all_pieces, window=window)  # fmt: skip
+                       all_pieces=layout.all_pieces, window=window, state=runtime.state)  # fmt: skip
     runner = engine_runner(
         prepared, group=runtime.group, config=runtime.config, scale=scale, on_cuda=q.is_cuda
     )
-    _runners[key] = (runner, prepared)
-    if len(_runners) > _RUNNER_CACHE_SIZE:
-        _runners.popitem(last=False)
+    runners[key] = (runner, prepared)
+    if len(runners) > RUNNER_CACHE_SIZE:
+        runners.popitem(last=False)
     return runner, prepared
 
 
-@torch.library.custom_op("hf_distca::core_attention_fwd", mutates_args=(), tags=_OUTSIDE_CUDA_GRAPHS)
+@torch.library.custom_op(CORE_FWD_OP, mutates_args=(), tags=_OUTSIDE_CUDA_GRAPHS)
 def _core_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -229,10 +224,10 @@ def _local_runner(q, cu_seq_lens, position_ids, batch: int, scale, backend: str,
     )
     longest = max(lengths, default=0)
     cu = cu_seqlens_from_lengths(lengths, device=torch.device("cpu"))
-    return LocalRunner(VarlenLayout(cu, cu, longest, longest), Kernel(scale, backend), window)
+    return LocalRunner(VarlenOffsets(cu, cu, longest, longest), Kernel(scale, backend), window)
 
 
-@torch.library.custom_op("hf_distca::local_attention_fwd", mutates_args=(), tags=_OUTSIDE_CUDA_GRAPHS)
+@torch.library.custom_op(LOCAL_FWD_OP, mutates_args=(), tags=_OUTSIDE_CUDA_GRAPHS)
 def _local_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -316,8 +311,3 @@ def compiled_local_attention(
     q: (B * S, Hq, D); k, v: (B * S, Hkv, D). Returns (B * S, Hq, D), differentiable w.r.t. q, k and v."""
     out, _ = _local_fwd(q, k, v, cu_seq_lens, position_ids, batch, scale, backend, window)
     return out
-
-
-def attention_forward_ops() -> tuple[Any, ...]:
-    """The forward custom ops (whose outputs rematerialization-aware checkpointing keeps under compile)."""
-    return (torch.ops.hf_distca.core_attention_fwd.default, torch.ops.hf_distca.local_attention_fwd.default)

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from hf_distca.config import KERNEL_BACKENDS, DistCAConfig
-from hf_distca.planning.cost import cost_model_from_config
+from hf_distca.config import DistCAConfig, cost_model_from_config
+from hf_distca.kernels import KERNEL_BACKENDS
 
 Pieces = list[tuple[int, int, int]]
 

@@ -1,5 +1,8 @@
 """The cost probe: which measured table ``DistCAConfig(cost_table="auto")`` plans with, agreed by every
-rank of the group, resolved once per (group, kernel backend, dtype, head shape) at the first engine call.
+rank of the group, resolved once per (group, kernel backend, dtype, head shape) at an explicit point
+before the first engine call (:func:`probe_cost_table`; :func:`hf_distca.engine.probes.probe`, which
+:func:`hf_distca.enable_distca` calls), kept in the engine state and read by the engine
+(:func:`auto_cost_table`), which never runs a collective for it.
 
 - CPU tensors: no table (causal pairs); nothing runs.
 - CUDA: each rank looks for a shipped table of its GPU model, dtype, head shape and resolved kernel
@@ -7,14 +10,14 @@ rank of the group, resolved once per (group, kernel backend, dtype, head shape) 
   is balanced on one process, so nothing is measured). On several, one all-gather of
   [shipped table digest, can measure] decides for every rank alike: the shipped table when every rank
   found the same one; else, when every rank can measure, every rank times the start-up grid
-  (:data:`hf_distca.calibrate.STARTUP_LENS`, 3.3 s with torch_varlen and 6.6 s with cudnn on an H200 at 32/8 x 128: the README)
+  (:data:`hf_distca.cost_tables.timing.STARTUP_LENS`, 3.3 s with torch_varlen and 6.6 s with cudnn on an H200 at 32/8 x 128: the README)
   on its own GPU and an all-reduce averages the ranks' tables, so that every rank plans with the same
   table (the mean: the servers are alike, and averaging damps one rank's timing noise); else none. A kernel
   that resolves to ``reference`` (float32, or no CUDA kernel installed) is never measured (it is the
   test oracle, and materializes scores): causal pairs.
 
-Every rank reaches the resolution at the same point (prepare, right before planning, as the link probe),
-so its collectives line up; the result is cached per process. The measured table never leaves the process.
+Every rank calls the probe at the same point, so its collectives line up. The measured table never
+leaves the process.
 """
 
 from __future__ import annotations
@@ -28,54 +31,101 @@ import torch.distributed as dist
 
 from hf_distca.comm import all_gather_rows, collective_device, group_rank_world
 from hf_distca.config import COST_TABLE_AUTO, DistCAConfig
-from hf_distca.cost_tables import find_shipped_table, load_shipped_table
+from hf_distca.cost_tables import find_shipped_table, load_shipped_table, timing
 from hf_distca.engine.consistency import digest64
+from hf_distca.engine.state import EngineState, engine_state, group_key
 from hf_distca.kernels import resolve_backend
 from hf_distca.planning.cost import MeasuredCost
 
 logger = logging.getLogger(__name__)
 
-_resolved: dict[tuple, MeasuredCost | None] = {}
-last_measurement_seconds: float | None = None
-"""Wall-clock seconds of this process's latest start-up measurement (the grid and the all-reduce); None
-before any."""
 
-
-def describe_device(q: torch.Tensor, config: DistCAConfig) -> tuple[str, str] | None:
-    """(GPU model name, kernel backend ``config.backend`` resolves to) for CUDA tensors; None elsewhere."""
-    if q.device.type != "cuda":
+def describe_device(device: torch.device, dtype: torch.dtype, config: DistCAConfig) -> tuple[str, str] | None:
+    """(GPU model name, kernel backend ``config.backend`` resolves to) for a CUDA device; None elsewhere."""
+    if device.type != "cuda":
         return None
-    return torch.cuda.get_device_name(q.device), resolve_backend(config.backend, q.device, q.dtype)
+    return torch.cuda.get_device_name(device), resolve_backend(config.backend, device, dtype)
 
 
-def auto_cost_table(
-    config: DistCAConfig, group: Any, q: torch.Tensor, k: torch.Tensor
+def probe_cost_table(
+    config: DistCAConfig,
+    group: Any,
+    device: torch.device,
+    dtype: torch.dtype,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    state: EngineState | None = None,
 ) -> MeasuredCost | None:
-    """The table ``cost_table="auto"`` resolves to for these tensors (see the module docstring); None for
-    any other ``cost_table`` and where causal pairs are priced. Collective on ``group`` (several ranks,
-    CUDA) on the first call per key, cached after."""
+    """Resolve the table ``cost_table="auto"`` plans with for attention inputs of ``dtype`` and this head
+    shape on ``device`` (see the module docstring) into ``state`` (None: the process's), unless resolved
+    before; returns it (None: causal pairs, and for any other ``cost_table``). Collective on ``group``
+    (several ranks, CUDA): call it on every rank together."""
+    state = state if state is not None else engine_state()
     if config.cost_table != COST_TABLE_AUTO:
         return None
-    q_heads, head_dim, kv_heads = q.shape[1], q.shape[2], k.shape[1]
-    key = (_group_key(group), q.device.type, config.backend, q.dtype, q_heads, kv_heads, head_dim)
-    if key not in _resolved:
-        described = describe_device(q, config)
+    key = _key(config, group, device, dtype, q_heads, kv_heads, head_dim)
+    if key not in state.cost_tables:
+        described = describe_device(device, dtype, config)
         if described is None:
-            _resolved[key] = None
+            state.cost_tables[key] = None
         else:
             device_name, backend = described
-            _resolved[key] = agree_on_table(
+            state.cost_tables[key] = agree_on_table(
                 group,
-                q.device,
-                q.dtype,
+                device,
+                dtype,
                 q_heads,
                 kv_heads,
                 head_dim,
                 backend,
                 device_name=device_name,
                 measurable=backend != "reference",
+                state=state,
             )
-    return _resolved[key]
+    return state.cost_tables[key]
+
+
+def auto_cost_table(
+    config: DistCAConfig, group: Any, q: torch.Tensor, k: torch.Tensor, state: EngineState | None = None
+) -> MeasuredCost | None:
+    """The table :func:`probe_cost_table` resolved for these tensors; None for any other ``cost_table``
+    and on the CPU. Never collective: on one process it resolves here (a shipped table or none); on several
+    with CUDA tensors it raises when the probe has not run for their dtype and head shape."""
+    if config.cost_table != COST_TABLE_AUTO:
+        return None
+    state = state if state is not None else engine_state()
+    q_heads, head_dim, kv_heads = q.shape[1], q.shape[2], k.shape[1]
+    key = _key(config, group, q.device, q.dtype, q_heads, kv_heads, head_dim)
+    if key not in state.cost_tables:
+        described = describe_device(q.device, q.dtype, config)
+        if described is None:
+            return None  # not CUDA: causal pairs, nothing to probe
+        if group_rank_world(group)[1] > 1:
+            raise RuntimeError(
+                f"DistCAConfig(cost_table='auto'): no kernel-cost table was resolved for {q.dtype} attention with "
+                f"{q_heads}/{kv_heads} heads x {head_dim} on this process group; the probe is collective and runs "
+                "before the first engine call, on every rank: hf_distca.enable_distca(model, group=..., dtype=...) "
+                "with the dtype the attention layers compute in, or hf_distca.engine.probe(config, group=..., "
+                "device=..., dtypes=..., q_heads=..., kv_heads=..., head_dim=...); or set cost_table=None or a path"
+            )
+        # one process: its shipped table or none (nothing is balanced, so nothing is measured)
+        state.cost_tables[key] = shipped_table(
+            described[0], q.dtype, q_heads, kv_heads, head_dim, described[1]
+        )
+    return state.cost_tables[key]
+
+
+def shipped_table(
+    device_name: str, dtype: torch.dtype, q_heads: int, kv_heads: int, head_dim: int, backend: str
+) -> MeasuredCost | None:
+    """The table shipped for this GPU model, dtype, head shape and kernel backend; None without one."""
+    shipped = find_shipped_table(device_name, dtype, q_heads, kv_heads, head_dim, backend)
+    return None if shipped is None else load_shipped_table(shipped)
+
+
+def _key(config: DistCAConfig, group: Any, device: torch.device, dtype, q_heads, kv_heads, head_dim) -> tuple:
+    return (group_key(group), device.type, config.backend, dtype, q_heads, kv_heads, head_dim)
 
 
 def agree_on_table(
@@ -93,17 +143,18 @@ def agree_on_table(
     fuse_tokens: int = 65536,
     warmup: int | None = None,
     repeats: int | None = None,
+    state: EngineState | None = None,
 ) -> MeasuredCost | None:
     """The table every rank of ``group`` plans with (identical on all ranks): the shipped one of
     ``device_name`` when every rank found the same; else, when every rank is ``measurable``, the mean of
     the ranks' tables measured with ``backend`` over ``lens`` (default the start-up grid) with
     ``warmup`` / ``repeats`` calls per cell (default the start-up ones); else None (causal pairs).
-    Collective on ``group`` when it has several ranks; on one process the shipped table or None."""
-    global last_measurement_seconds
-    shipped = find_shipped_table(device_name, dtype, q_heads, kv_heads, head_dim, backend)
+    Collective on ``group`` when it has several ranks; on one process the shipped table or None. The
+    seconds a measurement took go to ``state.measurement_seconds`` (None: the process's state)."""
     _, world = group_rank_world(group)
     if world == 1:
-        return None if shipped is None else load_shipped_table(shipped)
+        return shipped_table(device_name, dtype, q_heads, kv_heads, head_dim, backend)
+    shipped = find_shipped_table(device_name, dtype, q_heads, kv_heads, head_dim, backend)
     digest = 0 if shipped is None else digest64(load_shipped_table(shipped).digest())
     mine = [int(shipped is not None), digest, int(measurable)]  # [found, its digest, can measure]
     everyone = all_gather_rows(mine, group, device)
@@ -115,12 +166,10 @@ def agree_on_table(
             "planning with causal pairs"
         )
         return None
-    from hf_distca import calibrate  # the calibration command imports the kernels and the engine
-
     # the mean of the ranks' measured tables
-    lens = sorted(set(calibrate.STARTUP_LENS if lens is None else lens))
+    lens = sorted(set(timing.STARTUP_LENS if lens is None else lens))
     start = time.perf_counter()
-    seconds, _ = calibrate.calibrate(
+    seconds, _ = timing.time_table(
         lens,
         lens,
         heads=q_heads,
@@ -130,8 +179,8 @@ def agree_on_table(
         device=device,
         backend=backend,
         fuse_tokens=fuse_tokens,
-        warmup=calibrate.STARTUP_WARMUP if warmup is None else warmup,
-        repeats=calibrate.STARTUP_REPEATS if repeats is None else repeats,
+        warmup=timing.STARTUP_WARMUP if warmup is None else warmup,
+        repeats=timing.STARTUP_REPEATS if repeats is None else repeats,
         log=logger.debug,
     )
     table = torch.tensor(
@@ -140,13 +189,14 @@ def agree_on_table(
     table = table.to(collective_device(group, device))
     dist.all_reduce(table, op=dist.ReduceOp.SUM, group=group)
     mean = (table / world).cpu().tolist()
-    last_measurement_seconds = time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    (state if state is not None else engine_state()).measurement_seconds = seconds
     if dist.get_rank(group) == 0:
-        _log_measurement(device, dtype, q_heads, kv_heads, head_dim, backend, len(lens), world)
+        _log_measurement(device, dtype, q_heads, kv_heads, head_dim, backend, len(lens), world, seconds)
     return MeasuredCost(lens, lens, mean)
 
 
-def _log_measurement(device, dtype, q_heads, kv_heads, head_dim, backend, n, world) -> None:
+def _log_measurement(device, dtype, q_heads, kv_heads, head_dim, backend, n, world, seconds) -> None:
     logger.warning(
         "cost_table='auto': no shipped kernel table for %s %s, %d/%d heads x %d, %s: measured a %dx%d "
         "start-up table in %.2f s (the mean of %d ranks'; python -m hf_distca.calibrate writes a full "
@@ -159,17 +209,6 @@ def _log_measurement(device, dtype, q_heads, kv_heads, head_dim, backend, n, wor
         backend,
         n,
         n,
-        last_measurement_seconds,
+        seconds,
         world,
     )
-
-
-def clear_cost_tables() -> None:
-    """Forget resolved tables (the next engine call resolves again, collectively: call it on every rank)."""
-    _resolved.clear()
-
-
-def _group_key(group: Any) -> int:
-    if group is None:
-        return id(dist.group.WORLD) if dist.is_available() and dist.is_initialized() else 0
-    return id(group)

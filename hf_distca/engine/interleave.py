@@ -7,7 +7,7 @@ runs at any moment: a baton passes from one to the next when the running one cal
 nano-batch's all-to-all is in flight, the other runs its projections, MLP, norms and its own kernels.
 Threads rather than generators or greenlets because the forwards go through unmodified Transformers
 code, and because PyTorch keeps per-thread state that each nano-batch needs for itself (the saved-tensor
-hooks of activation checkpointing, the rematerialization frames of :mod:`hf_distca.checkpointing`).
+hooks of activation checkpointing, the rematerialization frames of :mod:`hf_distca.engine.remat`).
 
 Determinism: the order of turns depends only on the program (round robin in the callables' order, a
 turn ends at a switch or a return), never on timing, so every rank issues its collectives in the same

@@ -17,7 +17,7 @@ with one part (the micro-batch is split into nano-batches by the data path, not 
 
 The three nodes share one :class:`_Call` (the plan, the exchanges in flight, the server's log-sum-exp).
 Only ``_Return`` saves tensors (q, k, v, out, as the operator of :mod:`.op` does), so activation
-checkpointing's recompute and rematerialization-aware checkpointing (:mod:`hf_distca.checkpointing`: the
+checkpointing's recompute and rematerialization-aware checkpointing (:mod:`hf_distca.engine.remat`: the
 replay saves the same four) work unchanged. Gradients of q, k, v leave through ``_Dispatch``.
 """
 
@@ -28,11 +28,11 @@ from typing import Any
 
 import torch
 
-from hf_distca.checkpointing import keep_for_recompute
 from hf_distca.comm import Chain, Exchange
 from hf_distca.engine import stages
 from hf_distca.engine.interleave import Interleave
 from hf_distca.engine.prepare import PreparedAttention
+from hf_distca.engine.remat import keep_for_recompute
 from hf_distca.engine.stages import GradReturn, stage_range
 from hf_distca.kernels import ForwardTensors
 

@@ -1,7 +1,9 @@
 """The link probe: measure the all-to-all bandwidth the planner prices moves with
-(``DistCAConfig(measure_link=True)``), once per process group, at the first engine call on it.
+(``DistCAConfig(measure_link=True)``), once per process group, at an explicit point before the first
+engine call (:func:`hf_distca.engine.probes.probe`, which :func:`hf_distca.enable_distca` calls); the
+engine reads the figure from its state and never measures inside a layer's call.
 
-Every rank runs the same three collectives at the same point (prepare, right before planning): a warm-up
+Every rank runs the same three collectives at the same point (:func:`probe_link`): a warm-up
 all-to-all (NCCL opens its peer connections lazily), the timed all-to-all of ``PROBE_BYTES`` per rank,
 spread over the rank's peers (the ranks in other nodes when ``ranks_per_node`` is set and there are any,
 else every other rank), and an all-reduce (MAX) of the timed seconds, so that every rank prices with the
@@ -17,15 +19,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hf_distca.comm import collective_device
+from hf_distca.comm import collective_device, group_rank_world
 from hf_distca.config import DistCAConfig
+from hf_distca.engine.state import EngineState, engine_state, group_key
 from hf_distca.planning.traffic import INTER, link_classes
 
 PROBE_BYTES = 8 * 2**20
 """Bytes one rank sends in the timed all-to-all (16 MiB and up reach 140-307 GiB/s on NVLink; smaller
 messages are latency-bound, so the probe's figure is a conservative one)."""
-
-_measured: dict[int, float] = {}  # id(group) -> GiB/s (None: the default group)
 
 
 def peers(rank: int, world: int, ranks_per_node: int | None) -> list[int]:
@@ -60,21 +61,37 @@ def measure_link_gib_per_s(group: Any, device: torch.device, ranks_per_node: int
     return sum(splits) / float(seconds.item()) / 2**30
 
 
-def with_measured_link(config: DistCAConfig, group: Any, device: torch.device) -> DistCAConfig:
-    """``config`` with ``link_gib_per_s`` measured on ``group`` when it asks for it (``measure_link`` and
-    no given figure); collective on the first call per group, cached after."""
+def probe_link(
+    config: DistCAConfig, group: Any, device: torch.device, state: EngineState | None = None
+) -> float | None:
+    """Measure ``group``'s link when ``config`` asks for it (``measure_link``, no given figure, several
+    ranks) and it was not measured yet, into ``state`` (None: the process's); returns the figure (None
+    when not asked for). Collective on ``group`` when it measures: call it on every rank together."""
+    state = state if state is not None else engine_state()
+    if not config.measure_link or config.link_gib_per_s is not None or group_rank_world(group)[1] == 1:
+        return None
+    key = group_key(group)
+    if key not in state.link_gib_per_s:
+        state.link_gib_per_s[key] = measure_link_gib_per_s(group, device, config.ranks_per_node)
+    return state.link_gib_per_s[key]
+
+
+def with_measured_link(config: DistCAConfig, group: Any, state: EngineState | None = None) -> DistCAConfig:
+    """``config`` with ``link_gib_per_s`` as :func:`probe_link` measured it on ``group`` when it asks for
+    it (``measure_link`` and no given figure). Never collective: raises when the probe has not run."""
     if not config.measure_link or config.link_gib_per_s is not None:
         return config
-    key = _key(group)
-    if key not in _measured:
-        _measured[key] = measure_link_gib_per_s(group, device, config.ranks_per_node)
-    return dataclasses.replace(config, link_gib_per_s=_measured[key])
+    measured = measured_link_gib_per_s(group, state)
+    if measured is None:
+        raise RuntimeError(
+            "DistCAConfig(measure_link=True) but the link of this process group was not measured: the probe is "
+            "collective and runs before the first engine call, at hf_distca.enable_distca(model, group=...) or "
+            "hf_distca.engine.probe(config, group=..., device=...), on every rank; or give link_gib_per_s"
+        )
+    return dataclasses.replace(config, link_gib_per_s=measured)
 
 
-def measured_link_gib_per_s(group: Any) -> float | None:
-    """The figure measured on ``group`` (None before its first engine call with ``measure_link``)."""
-    return _measured.get(_key(group))
-
-
-def _key(group: Any) -> int:
-    return id(dist.group.WORLD if group is None else group)
+def measured_link_gib_per_s(group: Any, state: EngineState | None = None) -> float | None:
+    """The figure measured on ``group`` (None before :func:`probe_link` measured it)."""
+    state = state if state is not None else engine_state()
+    return state.link_gib_per_s.get(group_key(group))

@@ -5,8 +5,8 @@ documents) both run through :class:`_AttentionOp`; they differ only in the runne
 
 - :class:`PingPongRunner`: forward = dispatch -> compute -> return_outputs -> gather_outputs; backward =
   dispatch_backward -> compute_backward -> return_grads -> gather_grads (see :mod:`.stages`), on the
-  nano-batches of the micro-batch (:mod:`.nano`; ``DistCAConfig.ping_pong``), interleaved so that one
-  nano-batch's exchanges fly while another's kernel runs, in forward and backward; without ping-pong on
+  ping-pong parts of the micro-batch (:mod:`.ping_pong`; ``DistCAConfig.ping_pong``), interleaved so that one
+  part's exchanges fly while another's kernel runs, in forward and backward; without ping-pong on
   the micro-batch as one part, the stages one after the other.
 - :class:`LocalRunner`: the kernel's forward and backward on this process's own rows.
 
@@ -14,8 +14,8 @@ Inside an interleaved forward (layer-level ping-pong, :mod:`.interleave`) :func:
 same stages as three chained autograd nodes instead (:mod:`.layer_op`), switching to the other nano-batch
 after each exchange starts.
 
-Every stage a runner runs is a profiler range named ``distca.<fwd|bwd>.<stage>[.<nano-batch>]`` (stages:
-dispatch, wait_dispatch, compute, return, wait_return; no nano-batch number with one part), so a
+Every stage a runner runs is a profiler range named ``distca.<fwd|bwd>.<stage>[.<part>]`` (stages:
+dispatch, wait_dispatch, compute, return, wait_return; no part number with one part), so a
 ``torch.profiler`` trace shows the schedule (benchmarks/bench_ping_pong.py summarises it per layer).
 
 What is kept from forward to backward, per layer and rank (T: local rows, Tk: rows of the tasks this
@@ -24,7 +24,7 @@ rank serves, both ~T after balancing; Hq/Hkv heads, D head_dim, b bytes per elem
 - the owner's q, k, v and output (``save_for_backward``): T x (2 Hq + 2 Hkv) x D x b — what any
   attention implementation keeps; under activation checkpointing these are dropped and refilled by the
   recompute, except the output, which rematerialization-aware checkpointing keeps (T x Hq x D x b) so
-  that attention is not recomputed (:mod:`hf_distca.checkpointing`);
+  that attention is not recomputed (:mod:`hf_distca.engine.remat`);
 - the server's log-sum-exp (an attribute, in its kernel row order): Tk x Hq x 4 bytes;
 - nothing else: the server frees the q/k/v rows it received once its forward kernel has run.
 Transient, within one stage: the server's pools (its rows plus the received ones) and their kernel-order
@@ -36,10 +36,10 @@ Bytes per layer: what each of the four exchanges carries is written once, in the
 and dq, dk, dv back in backward). Summed over ranks that is what plain activation recompute cost with an
 engine that kept the received rows until backward, and one forward's exchanges less than plain recompute
 with this engine. Rematerialization-aware checkpointing adds nothing.
-Ping-pong sends the same Q rows, outputs and gradients, and a KV row once per nano-batch that reads
+Ping-pong sends the same Q rows, outputs and gradients, and a KV row once per part that reads
 it: the same bytes with the default split; with ``ping_pong_split="halves"`` more only for a document
-whose tasks on one server are cut between the two nano-batches (see :mod:`.nano`). The server's
-log-sum-exp is kept per nano-batch (the same rows in all).
+whose tasks on one server are cut between the two parts (see :mod:`.ping_pong`). The server's
+log-sum-exp is kept per part (the same rows in all).
 """
 
 from __future__ import annotations
@@ -51,14 +51,15 @@ from typing import Any
 import torch
 
 from hf_distca import metrics
-from hf_distca.checkpointing import SavedAttention, keep_for_recompute, take_saved_attention
 from hf_distca.config import DistCAConfig
 from hf_distca.engine import interleave, stages
 from hf_distca.engine.layer_op import interleaved_core_attention
-from hf_distca.engine.nano import NanoSplit, nano_batches, whole
+from hf_distca.engine.ping_pong import PartSplit, ping_pong_parts, whole
 from hf_distca.engine.prepare import PreparedAttention, prepare
+from hf_distca.engine.remat import SavedAttention, keep_for_recompute, take_saved_attention
 from hf_distca.engine.stages import Kernel, stage_range
-from hf_distca.kernels import ForwardTensors, VarlenLayout
+from hf_distca.engine.state import EngineState
+from hf_distca.kernels import ForwardTensors, VarlenOffsets
 
 
 def _wait(exchange) -> torch.Tensor | None:
@@ -67,7 +68,7 @@ def _wait(exchange) -> torch.Tensor | None:
 
 @dataclass(frozen=True)
 class PingPongRunner:
-    """Balanced core attention of one micro-batch as nano-batches (:mod:`.nano`: with ping-pong's default
+    """Balanced core attention of one micro-batch as ping-pong parts (:mod:`.ping_pong`: with ping-pong's default
     split, the work needing no exchange in two halves around the work that does; without ping-pong one
     part, the serial schedule) whose exchanges are asynchronous and interleave with the other parts'
     server kernels (all ranks call together).
@@ -81,7 +82,7 @@ class PingPongRunner:
     other. Stage names carry the part's number (``fwd.dispatch.0``), except with one part
     (``fwd.dispatch``)."""
 
-    split: NanoSplit
+    split: PartSplit
     group: Any
     kernel: Kernel
     """How the server kernels run (scale, backend, logit softcap)."""
@@ -187,7 +188,7 @@ class PingPongRunner:
 class LocalRunner:
     """Causal attention of this process's own sequences (no communication)."""
 
-    layout: VarlenLayout
+    offsets: VarlenOffsets
     kernel: Kernel
     window: int | None = None
 
@@ -196,12 +197,12 @@ class LocalRunner:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if q.shape[0]:
             metrics.record_forward_kernel()
-        return self.kernel.forward(q, k, v, self.layout, self.window, sinks)
+        return self.kernel.forward(q, k, v, self.offsets, self.window, sinks)
 
     def backward(
         self, fwd: ForwardTensors, dout: torch.Tensor, sinks: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        return self.kernel.backward(fwd, dout.contiguous(), self.layout, self.window, sinks)
+        return self.kernel.backward(fwd, dout.contiguous(), self.offsets, self.window, sinks)
 
 
 class _AttentionOp(torch.autograd.Function):
@@ -248,6 +249,7 @@ def core_attention(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    state: EngineState | None = None,
 ) -> torch.Tensor:
     """Causal per-document attention of this rank's queries, computed by balanced attention servers.
 
@@ -264,6 +266,8 @@ def core_attention(
     sinks: (H_q,) attention-sink logits (gpt-oss), equal on every rank; the servers apply them to the rows
     they compute and each rank's gradient of them is its server's share (the sum over ranks, as data
     parallelism sums parameter gradients, is the gradient).
+    state: the engine state whose caches and probe results it uses (None: the process's,
+    :func:`hf_distca.engine.state.engine_state`; a model's runtime passes its own).
     Returns (T_local, H_q, D), differentiable w.r.t. q, k, v (and sinks). Inside a rematerialization-aware
     checkpoint recompute, returns the output kept from the forward (no planning, no communication).
     """
@@ -271,7 +275,9 @@ def core_attention(
     if saved is not None:
         return _replay(q, k, v, saved, sinks)
     config = config or DistCAConfig()
-    prepared = prepare(q, k, v, pieces, group=group, config=config, all_pieces=all_pieces, window=window)
+    prepared = prepare(
+        q, k, v, pieces, group=group, config=config, all_pieces=all_pieces, window=window, state=state
+    )
     metrics.record_call(prepared.flops_before, prepared.flops_after)
     here = interleave.current()
     if here is not None:  # a nano-batch of an interleaved forward: its exchanges around the other's work
@@ -292,11 +298,11 @@ def engine_runner(
     on_cuda: bool,
     softcap: float | None = None,
 ) -> PingPongRunner:
-    """The runner of one prepared micro-batch: ping-pong nano-batches when ``config.ping_pong`` asks for
+    """The runner of one prepared micro-batch: ping-pong parts when ``config.ping_pong`` asks for
     them (None: on CUDA tensors) and the plan communicates, else the micro-batch as one part (serial)."""
     ping_pong = config.ping_pong if config.ping_pong is not None else on_cuda
     if ping_pong and prepared.communicates:  # every rank decides alike: same config, same plan
-        split = nano_batches(prepared, config.shard_tokens, config.ping_pong_split)
+        split = ping_pong_parts(prepared, config.shard_tokens, config.ping_pong_split)
     else:
         split = whole(prepared)
     return PingPongRunner(split, group, Kernel(scale, config.backend, softcap))
@@ -323,6 +329,6 @@ def local_attention(
     saved = take_saved_attention(q.shape[0])
     if saved is not None:
         return _replay(q, k, v, saved, sinks)
-    layout = VarlenLayout(cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
-    runner = LocalRunner(layout, Kernel(scale, backend, softcap), window)
+    offsets = VarlenOffsets(cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
+    runner = LocalRunner(offsets, Kernel(scale, backend, softcap), window)
     return _AttentionOp.apply(q, k, v, runner, None, sinks)

@@ -10,13 +10,14 @@ ranks agree on even when their inputs differ:
   ``all_pieces`` object (by identity), one all-gather of the check vector;
 - ``all_pieces`` not given: the engine all-gathers the pieces on every call anyway, and the check vector
   travels in the same all-gather as the piece counts.
-A cache hit on one rank and a miss on another therefore never changes which collectives run.
+A cache hit on one rank and a miss on another therefore never changes which collectives run. The caches
+live in the :class:`~hf_distca.engine.state.EngineState` (``state``); the probes' results (measured link,
+kernel-cost table) are read from it, never measured here.
 """
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,8 +27,7 @@ import torch
 
 from hf_distca import metrics
 from hf_distca.comm import all_gather_padded, all_gather_rows, collective_device, group_rank_world
-from hf_distca.config import DistCAConfig
-from hf_distca.engine import prefetch
+from hf_distca.config import DistCAConfig, cost_model_from_config
 from hf_distca.engine.consistency import (
     LocalInputs,
     Pieces,
@@ -38,20 +38,23 @@ from hf_distca.engine.consistency import (
 from hf_distca.engine.cost_probe import auto_cost_table
 from hf_distca.engine.link_probe import with_measured_link
 from hf_distca.engine.prefetch import PlanContext, pieces_digest
-from hf_distca.kernels import VarlenLayout
+from hf_distca.engine.state import (
+    CHECKED_LAYOUTS,
+    PLAN_CACHE_SIZE,
+    CheckedLayout,
+    EngineState,
+    engine_state,
+    group_key,
+)
+from hf_distca.kernels import VarlenOffsets
 from hf_distca.planning import (
     CorePlan,
     DispatchIndex,
     MeasuredCost,
     build_dispatch_index,
-    cost_model_from_config,
     forward_flops_per_pair,
 )
 from hf_distca.planning.relay import with_relay
-
-_PLAN_CACHE_SIZE = 8
-_SEEN_LAYOUTS = 16
-_plan_cache: OrderedDict[tuple, PreparedAttention] = OrderedDict()
 
 
 @dataclass(frozen=True)
@@ -83,17 +86,17 @@ class PreparedAttention:
     """Per server, forward core-attention FLOPs of one call without balancing (each rank its own pieces)."""
     flops_after: list[float]
     """Per server, forward FLOPs of one call as planned."""
-    nano_splits: dict[tuple[int, str], Any] = field(default_factory=dict)
-    """Its ping-pong nano-batches by (shard_tokens, split), cached by :func:`hf_distca.engine.nano.nano_batches`."""
+    part_splits: dict[tuple[int, str], Any] = field(default_factory=dict)
+    """Its ping-pong parts by (shard_tokens, split), cached by :func:`hf_distca.engine.ping_pong.ping_pong_parts`."""
     _on_device: dict[str, DeviceIndex] = field(default_factory=dict)
 
     @property
     def rank(self) -> int:
         return self.index.rank
 
-    def kernel_seqs(self) -> VarlenLayout:
-        """The server kernel's packed layout."""
-        return VarlenLayout(
+    def kernel_seqs(self) -> VarlenOffsets:
+        """The offsets of the server kernel's packed sequences."""
+        return VarlenOffsets(
             self.cu_seqlens_q, self.cu_seqlens_k, self.index.max_seqlen_q, self.index.max_seqlen_k
         )
 
@@ -137,17 +140,6 @@ class PreparedAttention:
         return self._on_device[key]
 
 
-@dataclass
-class _SeenLayout:
-    obj: Any
-    """The caller's all_pieces object, held so that its id cannot be reused while it is remembered."""
-    all_pieces: list[Pieces]
-    digest: int
-
-
-_seen: OrderedDict[tuple, _SeenLayout] = OrderedDict()
-
-
 def prepare(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -158,13 +150,15 @@ def prepare(
     config: DistCAConfig,
     all_pieces: Sequence[Sequence[Sequence[int]]] | None = None,
     window: int | None = None,
+    state: EngineState | None = None,
 ) -> PreparedAttention:
     """The plan and index tensors of this call (see the module docstring for when ranks are checked);
     ``window``: the layer's sliding window (plans are cached per window: local and global layers of one
-    micro-batch plan once each).
+    micro-batch plan once each); ``state``: the engine state caching them (None: the process's).
 
     Collective on ``group`` when the inputs are new (see above); raises on every rank of the group
     together when any rank's input is malformed or the ranks disagree."""
+    state = state if state is not None else engine_state()
     rank, world = group_rank_world(group)
     if world == 1:
         info = describe_inputs(q, k, v, pieces, all_pieces, 0, 1)
@@ -176,32 +170,37 @@ def prepare(
         everyone = _gather_pieces(info, config, group, q.device)
         digest = pieces_digest(everyone)
     else:
-        key = (id(group), id(all_pieces))
-        seen = _seen.get(key)
-        if seen is None or seen.obj is not all_pieces:
+        seen = _checked(state, all_pieces, group_key(group))
+        if seen is None:
             info = describe_inputs(q, k, v, pieces, all_pieces, rank, world)
             if config.check_consistency:
                 metrics.record_check()
                 vectors = all_gather_rows(check_vector(info, config), group, q.device)
                 raise_on_disagreement(vectors, info, config, compare_inputs=True, compare_all_pieces=True)
             info.raise_if_failed()
-            seen = _SeenLayout(all_pieces, info.all_pieces, info.all_pieces_digest)
-            _seen[key] = seen
-            if len(_seen) > _SEEN_LAYOUTS:
-                _seen.popitem(last=False)
-        else:
-            _seen.move_to_end(key)
+            seen = CheckedLayout(all_pieces, group_key(group), info.all_pieces, info.all_pieces_digest)
+            state.checked_layouts.append(seen)
+            del state.checked_layouts[:-CHECKED_LAYOUTS]
         everyone, digest = seen.all_pieces, seen.digest
-    if world > 1:  # every rank reaches this point together: the link probe's collectives run here
-        config = with_measured_link(config, group, q.device)
-    auto_table = auto_cost_table(config, group, q, k)  # cost_table="auto": collective at its first call
-    prepared = _planned(everyone, digest, rank, q, k, config, window, auto_table)
+    if world > 1:
+        config = with_measured_link(config, group, state)  # the link probe's figure (probed before)
+    auto_table = auto_cost_table(config, group, q, k, state)  # cost_table="auto": the probe's table
+    prepared = _planned(everyone, digest, rank, q, k, config, window, auto_table, state=state)
     if prepared.num_local != q.shape[0]:
         raise ValueError(
             f"rank {rank}: q holds {q.shape[0]} rows but this micro-batch's pieces give it {prepared.num_local}; "
             "pass a new all_pieces object for each micro-batch"
         )
     return prepared
+
+
+def _checked(state: EngineState, all_pieces: Any, group: tuple) -> CheckedLayout | None:
+    """The check of ``all_pieces`` (this very object) on ``group``, made the latest; None if none."""
+    for i, seen in enumerate(state.checked_layouts):
+        if seen.obj is all_pieces and seen.group == group:
+            state.checked_layouts.append(state.checked_layouts.pop(i))
+            return seen
+    return None
 
 
 def _gather_pieces(info: LocalInputs, config: DistCAConfig, group: Any, device: torch.device) -> list[Pieces]:
@@ -228,7 +227,10 @@ def _planned(
     config: DistCAConfig,
     window: int | None = None,
     auto_table: MeasuredCost | None = None,
+    *,
+    state: EngineState | None = None,
 ) -> PreparedAttention:
+    state = state if state is not None else engine_state()
     q_heads, head_dim, kv_heads = q.shape[1], q.shape[2], k.shape[1]
     context = PlanContext(
         rank=rank,
@@ -242,13 +244,13 @@ def _planned(
         window=window,
     )
     key = context.key(digest)
-    hit = _plan_cache.get(key)
+    hit = state.plans.get(key)
     if hit is not None:
-        _plan_cache.move_to_end(key)
+        state.plans.move_to_end(key)
         return hit
-    prefetch.remember(context)
+    state.prefetcher.remember(context)
     t0 = time.perf_counter()  # what this thread spends: waiting for a prefetched plan, or planning
-    plan = prefetch.take(key)
+    plan = state.prefetcher.take(key)
     prefetched = plan is not None
     if plan is None:
         plan = context.plan(all_pieces)
@@ -266,9 +268,9 @@ def _planned(
         flops_before=[x * flops_per_pair for x in plan.pairs_before],
         flops_after=[x * flops_per_pair for x in plan.pairs_after],
     )
-    _plan_cache[key] = prepared
-    if len(_plan_cache) > _PLAN_CACHE_SIZE:
-        _plan_cache.popitem(last=False)
+    state.plans[key] = prepared
+    if len(state.plans) > PLAN_CACHE_SIZE:
+        state.plans.popitem(last=False)
     return prepared
 
 
@@ -276,10 +278,3 @@ def relayed_index(plan: CorePlan, rank: int, config: DistCAConfig) -> DispatchIn
     """``rank``'s index of ``plan``, its KV through the relay when ``config.kv_relay`` asks for it."""
     index = build_dispatch_index(plan, rank)
     return with_relay(plan, index, config.ranks_per_node) if config.kv_relay else index
-
-
-def clear_plan_cache() -> None:
-    """Forget cached plans (the next call plans again). Rank-local and safe on any subset of ranks: which
-    layouts were already checked across ranks is kept, so no rank runs a check the others skip."""
-    _plan_cache.clear()
-    prefetch.forget()

@@ -37,7 +37,7 @@ from hf_distca.comm import Chain, Exchange, all_to_all_v, chain
 from hf_distca.engine.prepare import PreparedAttention
 from hf_distca.kernels import (
     ForwardTensors,
-    VarlenLayout,
+    VarlenOffsets,
     attention_backward,
     attention_forward,
     sinks_backward,
@@ -66,16 +66,16 @@ class Kernel:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        layout: VarlenLayout,
+        offsets: VarlenOffsets,
         window: int | None,
         sinks: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(out, lse) of :func:`hf_distca.kernels.attention_forward` over ``layout`` (``sinks``: applied)."""
+        """(out, lse) of :func:`hf_distca.kernels.attention_forward` over ``offsets`` (``sinks``: applied)."""
         return attention_forward(
             q,
             k,
             v,
-            *layout,
+            *offsets,
             scale=self.scale,
             backend=self.backend,
             window=window,
@@ -87,14 +87,14 @@ class Kernel:
         self,
         fwd: ForwardTensors,
         dout: torch.Tensor,
-        layout: VarlenLayout,
+        offsets: VarlenOffsets,
         window: int | None,
         sinks: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """dq, dk, dv of :func:`hf_distca.kernels.attention_backward` over ``layout`` and, with ``sinks``,
+        """dq, dk, dv of :func:`hf_distca.kernels.attention_backward` over ``offsets`` and, with ``sinks``,
         the gradient of the sinks from these rows (:func:`hf_distca.kernels.sinks_backward`), else None."""
         grads = attention_backward(
-            dout, *fwd, *layout, scale=self.scale, backend=self.backend, window=window, softcap=self.softcap
+            dout, *fwd, *offsets, scale=self.scale, backend=self.backend, window=window, softcap=self.softcap
         )
         return *grads, (None if sinks is None else sinks_backward(dout, fwd.out, fwd.lse, sinks))
 
@@ -248,7 +248,7 @@ def gather_outputs(
     prep: PreparedAttention, out_kernel: torch.Tensor, returned: torch.Tensor | None
 ) -> torch.Tensor:
     """This rank's outputs in local row order, (T_local, Hq, D), from its kernel rows and the returned rows
-    (of one nano-batch: its rows only, in local order)."""
+    (of one ping-pong part: its rows only, in local order)."""
     (pool,) = _pools([out_kernel], None if returned is None else [returned], [[prep.index.out_recv_counts]])
     return pool.index_select(0, prep.device_index(out_kernel.device).out_gather)
 
@@ -383,8 +383,8 @@ def gather_grads(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of this rank's rows in local order: own shares plus the returned ones (dk/dv of a row
     read by several servers summed). dq covers the rows whose queries ``prep`` computes (all local rows,
-    or one nano-batch's); dk/dv cover every local row, in ``kv_dtype`` (None: the accumulation dtype,
-    float32 for half-precision inputs, so that the shares of several nano-batches sum before rounding)."""
+    or one part's); dk/dv cover every local row, in ``kv_dtype`` (None: the accumulation dtype,
+    float32 for half-precision inputs, so that the shares of several parts sum before rounding)."""
     ix, dev = prep.index, prep.device_index(pending.dq_kernel.device)
     dk, dv = pending.dk_local, pending.dv_local
     kv_dtype = kv_dtype or dk.dtype

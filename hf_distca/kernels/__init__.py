@@ -26,27 +26,27 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_distca.config import KERNEL_BACKENDS
-from hf_distca.kernels import cudnn_frontend, flash, reference, torch_varlen
+from hf_distca.kernels import cudnn_backend, cudnn_frontend, flash, reference, torch_varlen
 from hf_distca.kernels.common import (
     ForwardTensors,
     PackedSeqs,
     UnsupportedFeatureError,
-    VarlenLayout,
+    VarlenOffsets,
     check_backward_inputs,
     check_inputs,
     check_sinks,
 )
-from hf_distca.kernels.cudnn_frontend import CudnnOptions
+from hf_distca.kernels.cudnn_backend import CudnnOptions
 from hf_distca.kernels.reference import reference_varlen_attention
 from hf_distca.kernels.sinks import sinks_backward as _sinks_backward
 from hf_distca.kernels.sinks import with_sinks
 
 __all__ = [
+    "KERNEL_BACKENDS",
     "CudnnOptions",
     "ForwardTensors",
     "UnsupportedFeatureError",
-    "VarlenLayout",
+    "VarlenOffsets",
     "attention_backward",
     "attention_forward",
     "available_backends",
@@ -83,8 +83,8 @@ _BACKENDS: dict[str, _Backend] = {
     "cudnn": _Backend(
         cudnn_frontend.available,
         True,
-        cudnn_frontend.forward,
-        cudnn_frontend.backward,
+        cudnn_backend.forward,
+        cudnn_backend.backward,
         "NVIDIA's cudnn-frontend (pip install hf_distca[cudnn]) and a CUDA device",
     ),
     "torch_varlen": _Backend(
@@ -108,11 +108,9 @@ _BACKENDS: dict[str, _Backend] = {
         lambda: True, False, reference.forward, reference.backward, "", softcap=lambda: True
     ),
 }
-# config.KERNEL_BACKENDS is the one list of names: 'auto' first, then every backend best first
-if set(KERNEL_BACKENDS) != {"auto", *_BACKENDS}:
-    raise RuntimeError(
-        f"config.KERNEL_BACKENDS {KERNEL_BACKENDS} and the kernel registry {list(_BACKENDS)} differ"
-    )
+KERNEL_BACKENDS = ("auto", *_BACKENDS)
+"""The one list of kernel backend names (``DistCAConfig.backend``): "auto", then every backend in the order
+"auto" prefers them (the registry's)."""
 
 
 def _usable(name: str, device: torch.device, dtype: torch.dtype) -> bool:
@@ -253,8 +251,8 @@ def attention_forward(
     :func:`sinks_backward`). ``cudnn_options``: how the cudnn backend runs (None: its defaults; only when the
     backend is cudnn).
     """
-    layout = VarlenLayout(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    seqs = check_inputs(q, k, v, layout, window, softcap)
+    offsets = VarlenOffsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    seqs = check_inputs(q, k, v, offsets, window, softcap)
     if sinks is not None:
         check_sinks(sinks, q)
     name = resolve_backend(backend, q.device, q.dtype, softcap=seqs.softcap)
@@ -288,8 +286,8 @@ def attention_backward(
     forward of the same inputs, ``window`` and ``softcap`` (any backend: all agree up to rounding); with
     sinks, the forward's (out, lse) already hold them and these gradients are exact as they are. ``cudnn_options``: as in :func:`attention_forward`.
     """
-    layout = VarlenLayout(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    seqs = check_inputs(q, k, v, layout, window, softcap)
+    offsets = VarlenOffsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    seqs = check_inputs(q, k, v, offsets, window, softcap)
     check_backward_inputs(dout, q, out, lse)
     name = resolve_backend(backend, q.device, q.dtype, softcap=seqs.softcap)
     scale = q.shape[-1] ** -0.5 if scale is None else scale

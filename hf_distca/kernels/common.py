@@ -15,7 +15,7 @@ class UnsupportedFeatureError(ValueError):
 
 @dataclass(frozen=True)
 class PackedSeqs:
-    """The varlen layout of one kernel call, validated once and shared by forward and backward.
+    """The packed sequences of one kernel call, validated once and shared by forward and backward.
 
     Sequence ``i`` pairs queries ``q[q_bounds[i]:q_bounds[i + 1]]`` with keys
     ``k[k_bounds[i]:k_bounds[i + 1]]``; causal masking is aligned bottom-right: query r of a sequence
@@ -53,8 +53,9 @@ class PackedSeqs:
         return self.k_bounds[i + 1] - self.k_bounds[i]
 
 
-class VarlenLayout(NamedTuple):
-    """The packed layout of a varlen call, as flash-attn's varlen API (and :func:`attention_forward`) takes it."""
+class VarlenOffsets(NamedTuple):
+    """The offsets of a varlen call's packed sequences, as flash-attn's varlen API (and
+    :func:`attention_forward`) takes them."""
 
     cu_seqlens_q: torch.Tensor
     """(N + 1,) int offsets of the query rows."""
@@ -85,16 +86,16 @@ def check_inputs(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    layout: VarlenLayout,
+    offsets: VarlenOffsets,
     window: int | None = None,
     softcap: float | None = None,
 ) -> PackedSeqs:
-    """Validate the packed layout and return it with host copies of the offsets.
+    """Validate the packed sequences and return them with host copies of the offsets.
 
     Reading the offsets on the host synchronises with the device when they live on a GPU; callers
     that want to avoid the synchronisation pass them on the CPU (backends move them as needed).
     """
-    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = layout
+    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = offsets
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(
             f"varlen attention expects q, k, v shaped (T, H, D); got {tuple(q.shape)}, "

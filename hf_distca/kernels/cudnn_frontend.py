@@ -1,33 +1,11 @@
-"""cuDNN SDPA through NVIDIA's cudnn-frontend (``pip install nvidia-cudnn-frontend``), ragged (THD) layout.
+"""cuDNN SDPA through NVIDIA's cudnn-frontend (``pip install nvidia-cudnn-frontend``), ragged (THD) layout:
+the graphs, their cache and the launches of :class:`~hf_distca.kernels.cudnn_calls.KernelCall` s; the
+backend that plans and merges the calls is :mod:`hf_distca.kernels.cudnn_backend`.
 
 Graphs are built with the frontend's ``pygraph`` API (``sdpa`` / ``sdpa_backward`` nodes on packed
 (T, H, D) tensors with per-sequence lengths and ragged offsets) and run on the libcudnn that torch
 ships. torch's own cuDNN varlen routes are never used: in torch 2.11 ``aten._cudnn_attention_backward``
 with cumulative offsets and nested-jagged SDPA gave wrong gradients.
-
-One kernel call serves many sequences, but one mask alignment. cuDNN's backward is 1.7-1.9x slower
-with bottom-right alignment than top-left, so sequences are grouped:
-
-- prefix-aligned sequences (len_q == len_k: whole documents, head shards) run in one top-left causal
-  call;
-- suffix sequences (len_q < len_k: a query shard over a longer KV prefix) either run in one
-  bottom-right causal call (``CudnnOptions.suffix_strategy = "bottom_right"``), or are split
-  (``suffix_strategy = "split"``) into a top-left causal part over their last len_q keys, which joins
-  the prefix call, and a non-causal part over their earlier len_k - len_q keys, merged through the
-  log-sum-exp: out = w1 o1 + w2 o2 with w_i = exp(lse_i - lse), lse = log(exp(lse1) + exp(lse2)). The
-  backward of each part takes the merged out and lse, so the parts' dq add up and their dk/dv cover
-  disjoint keys.
-- sequences without queries run nowhere (the caller zeroes their dk/dv).
-- a sliding window W (``PackedSeqs.window``) is cuDNN's ``diagonal_band_left_bound=W`` on the causal
-  calls (key j visible from query position i iff i - j < W); suffix sequences then always run
-  bottom-right (a split's non-causal part would need the band too).
-
-Forward calls list only their own sequences; ragged offsets address them inside the full packed
-tensors, so no rows are copied and calls write disjoint rows of the shared outputs (the non-causal part
-of a split writes its partial output to a compact side buffer). Backward calls run on packed operands
-(sequences back to back from row 0): cuDNN's ragged backward gave wrong dq otherwise (see
-``backward``), so a call whose rows are not already packed gathers them (q, out, dout, lse on the
-query side; k, v on the key side) and scatters its gradients back.
 
 Plan cache: a plan is specific to (batch size, max_seqlen_q/k, and for the backward the packed token
 totals that size cuDNN's float32 dq accumulator). All of these are rounded up on a ladder of 4 steps
@@ -37,25 +15,18 @@ step. Measured on H200 (benchmarks/results/kernels_cudnn_h200.md): ~0.36 s for t
 process, ~50 ms per new plan per direction; rounding up cost nothing measurable (grid blocks of padding
 sequences and of rows past a sequence's end exit at once). ``CudnnOptions.bucket_shapes = False``
 declares exact shapes instead (benchmarks measure what the rounding costs).
-
-The default ``suffix_strategy`` is "split": it measured 1.04-1.05x faster than "bottom_right" on real
-server task mixes (one long suffix task among whole documents) and on 4K-query suffix tasks; on short
-suffix tasks (1K queries over 2K keys) "bottom_right" was faster (its merge passes weigh less).
 """
 
 from __future__ import annotations
 
 import functools
 import threading
-from dataclasses import dataclass
 from enum import IntEnum
 
 import torch
 
-from hf_distca.kernels.common import ForwardTensors, PackedSeqs
-
-SUFFIX_STRATEGIES = ("bottom_right", "split")
-TOP_LEFT, BOTTOM_RIGHT, FULL = "causal_top_left", "causal_bottom_right", "full"
+from hf_distca.kernels.common import ForwardTensors
+from hf_distca.kernels.cudnn_calls import FULL, TOP_LEFT, KernelCall, bucket
 
 
 @functools.lru_cache(maxsize=1)
@@ -69,117 +40,6 @@ def _cudnn():
 
 def available() -> bool:
     return _cudnn() is not None and torch.cuda.is_available()
-
-
-@dataclass(frozen=True)
-class CudnnOptions:
-    """How the cudnn backend runs its calls; the defaults are what training uses, the alternatives are
-    there for benchmarks to compare (pass them to :func:`hf_distca.kernels.attention_forward` and
-    :func:`~hf_distca.kernels.attention_backward` as ``cudnn_options``)."""
-
-    suffix_strategy: str = "split"
-    """How suffix sequences run, one of SUFFIX_STRATEGIES (see the module docstring)."""
-    bucket_shapes: bool = True
-    """Round plan shapes up (see the module docstring); False declares exact shapes."""
-
-    def __post_init__(self) -> None:
-        _check_strategy(self.suffix_strategy)
-
-
-def _check_strategy(strategy: str) -> None:
-    if strategy not in SUFFIX_STRATEGIES:
-        raise ValueError(f"suffix_strategy must be one of {SUFFIX_STRATEGIES}, got {strategy!r}")
-
-
-DEFAULT_OPTIONS = CudnnOptions()
-
-
-# ---------------------------------------------------------------------------------------------------------
-# host-side planning (pure Python: testable without a GPU)
-
-
-@dataclass(frozen=True)
-class KernelCall:
-    """One cuDNN launch over several sequences with one mask. Row offsets index the packed tensors."""
-
-    mask: str
-    """TOP_LEFT, BOTTOM_RIGHT or FULL (non-causal)."""
-    q_rows: tuple[int, ...]
-    """First query row of each sequence in q (also where its out/dout/lse rows are in the backward)."""
-    k_rows: tuple[int, ...]
-    """First key row of each sequence in k and v (and dk, dv)."""
-    q_lens: tuple[int, ...]
-    k_lens: tuple[int, ...]
-    out_rows: tuple[int, ...]
-    """First row of each sequence's partial output (forward out/lse, backward dq) in the call's target
-    buffer: the shared output (== q_rows) or a compact side buffer."""
-    side: bool
-    """Whether the call writes out/lse (forward) and dq (backward) to compact side buffers."""
-    window: int | None = None
-    """Sliding window of the causal masks (None: full causal)."""
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.q_rows)
-
-
-def plan_calls(seqs: PackedSeqs, strategy: str) -> tuple[KernelCall, ...]:
-    """Group the sequences of one kernel call by mask alignment (see the module docstring).
-
-    Calls come in the order they must run: the top-left call, then the bottom-right one, then the
-    non-causal side call of a split (its backward adds onto the dq the top-left call wrote).
-    """
-    _check_strategy(strategy)
-    prefix: list[tuple[int, int, int, int, int]] = []  # (q_row, k_row, lq, lk, out_row)
-    suffix: list[tuple[int, int, int, int, int]] = []
-    rest: list[tuple[int, int, int, int, int]] = []  # split: non-causal parts, out rows in the side buffer
-    side_rows = 0
-    for i in range(seqs.num_seqs):
-        q0, k0, lq, lk = seqs.q_bounds[i], seqs.k_bounds[i], seqs.q_len(i), seqs.k_len(i)
-        if lq == 0:
-            continue
-        if lq == lk:
-            prefix.append((q0, k0, lq, lk, q0))
-        elif strategy == "bottom_right" or seqs.window is not None:
-            suffix.append((q0, k0, lq, lk, q0))
-        else:
-            prefix.append((q0, k0 + lk - lq, lq, lq, q0))  # causal square over the last lq keys
-            rest.append((q0, k0, lq, lk - lq, side_rows))  # every query sees every earlier key
-            side_rows += lq
-
-    def call(mask: str, rows: list[tuple[int, int, int, int, int]], side: bool) -> KernelCall:
-        q_rows, k_rows, q_lens, k_lens, out_rows = (tuple(col) for col in zip(*rows))
-        return KernelCall(mask, q_rows, k_rows, q_lens, k_lens, out_rows, side, seqs.window)
-
-    calls = []
-    if prefix:
-        calls.append(call(TOP_LEFT, prefix, False))
-    if suffix:
-        calls.append(call(BOTTOM_RIGHT, suffix, False))
-    if rest:
-        calls.append(call(FULL, rest, True))
-    return tuple(calls)
-
-
-def packed_starts(lengths: tuple[int, ...]) -> tuple[int, ...]:
-    """Start rows of sequences of these lengths laid out back to back from row 0."""
-    starts, row = [], 0
-    for n in lengths:
-        starts.append(row)
-        row += n
-    return tuple(starts)
-
-
-def bucket(n: int, minimum: int) -> int:
-    """Round up on a ladder with 4 steps per octave (<= 25% over n), never below ``minimum``."""
-    if n <= minimum:
-        return minimum
-    step = max(1, (1 << (n.bit_length() - 1)) // 4)
-    return -(-n // step) * step
-
-
-# ---------------------------------------------------------------------------------------------------------
-# cuDNN graphs
 
 
 class _UID(IntEnum):
@@ -431,7 +291,7 @@ def _batch_and_lengths(call: KernelCall, bucket_shapes: bool) -> tuple[int, int,
     )
 
 
-def _aligned(t: torch.Tensor) -> torch.Tensor:
+def aligned(t: torch.Tensor) -> torch.Tensor:
     """cuDNN descriptors need a dense innermost dimension and a 16-byte aligned base."""
     if not t.is_contiguous() or t.data_ptr() % 16:
         t = t.contiguous().clone()
@@ -552,111 +412,3 @@ def launch_backward(
     if ragged:
         buffers[_UID.RAGGED_STATS] = off_stats
     _execute(graph, workspace_size, handle, buffers, q.device)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# the backend interface
-
-
-def _row_index(starts: tuple[int, ...], lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """(sum(lengths),) int64 on ``device``: the rows of sequences at these starts, in order."""
-    lens = torch.tensor(lengths, dtype=torch.int64)
-    shift = torch.tensor(starts, dtype=torch.int64) - (torch.cumsum(lens, 0) - lens)  # start - packed start
-    rows = torch.arange(int(lens.sum()), dtype=torch.int64) + torch.repeat_interleave(shift, lens)
-    if device.type == "cuda":
-        rows = rows.pin_memory()
-    return rows.to(device, non_blocking=True)
-
-
-def forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    seqs: PackedSeqs,
-    scale: float,
-    options: CudnnOptions = DEFAULT_OPTIONS,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    q, k, v = _aligned(q), _aligned(k), _aligned(v)
-    out = torch.empty_like(q)  # (Tq, Hq, D); every query row belongs to exactly one non-side call
-    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)  # (Tq, Hq)
-    bucket_shapes = options.bucket_shapes
-    for call in plan_calls(seqs, options.suffix_strategy):
-        if not call.side:
-            launch_forward(call, q, k, v, out, lse, scale, bucket_shapes=bucket_shapes)
-            continue
-        # split suffix sequences: the top-left call wrote their causal part; merge the non-causal part
-        rows = sum(call.q_lens)
-        side_out = q.new_empty(rows, *q.shape[1:])  # (rows, Hq, D)
-        side_lse = lse.new_empty(rows, q.shape[1])  # (rows, Hq)
-        launch_forward(call, q, k, v, side_out, side_lse, scale, bucket_shapes=bucket_shapes)
-        if call.q_rows == packed_starts(call.q_lens):  # the side rows are q's first rows: no gather
-            main_out, main_lse = out[:rows], lse[:rows]
-        else:
-            index = _row_index(call.q_rows, call.q_lens, q.device)
-            main_out, main_lse = out.index_select(0, index), lse.index_select(0, index)
-        merged_lse = torch.logaddexp(main_lse, side_lse)  # (rows, Hq)
-        side_weight = torch.exp(side_lse - merged_lse).unsqueeze(-1)  # (rows, Hq, 1)
-        merged_out = torch.lerp(main_out.float(), side_out.float(), side_weight).to(q.dtype)  # (rows, Hq, D)
-        if call.q_rows == packed_starts(call.q_lens):
-            out[:rows], lse[:rows] = merged_out, merged_lse
-        else:
-            out.index_copy_(0, index, merged_out)
-            lse.index_copy_(0, index, merged_lse)
-    return out, lse
-
-
-def backward(
-    dout: torch.Tensor,
-    fwd: ForwardTensors,
-    seqs: PackedSeqs,
-    scale: float,
-    options: CudnnOptions = DEFAULT_OPTIONS,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every call's backward on packed operands.
-
-    cuDNN's ragged backward computed wrong dq (about 1% of entries, wrong by O(1)) on H200 / cuDNN 9.19
-    when a call's sequences did not lie back to back from row 0 (gaps, or a later start; the forward is
-    unaffected): so every backward launch gets its query side (q, out, dout, lse, dq) and key side (k, v,
-    dk, dv) packed, gathering the rows of calls that are not already packed.
-    """
-    q, k, v, out, lse = fwd
-    dout, q, k, v, out = (_aligned(t) for t in (dout, q, k, v, out))
-    lse = _aligned(lse.float())
-    dq = torch.empty_like(q)  # every query row is written by exactly one non-side call
-    dk = torch.zeros_like(k)  # keys of sequences without queries are written by no call
-    dv = torch.zeros_like(v)
-    for call in plan_calls(seqs, options.suffix_strategy):
-        q_starts, k_starts = packed_starts(call.q_lens), packed_starts(call.k_lens)
-        packed = KernelCall(
-            call.mask, q_starts, k_starts, call.q_lens, call.k_lens, q_starts, call.side, call.window
-        )
-        q_in_place = call.q_rows == q_starts
-        k_in_place = call.k_rows == k_starts
-        rows = sum(call.q_lens)
-        if q_in_place:
-            q_c, out_c, dout_c, lse_c = q, out, dout, lse
-        else:
-            q_index = _row_index(call.q_rows, call.q_lens, q.device)
-            q_c, out_c, dout_c, lse_c = (
-                t.index_select(0, q_index) for t in (q, out, dout, lse)
-            )  # (rows, ...)
-        if k_in_place:
-            k_c, v_c, dk_c, dv_c = k, v, dk, dv
-        else:
-            k_index = _row_index(call.k_rows, call.k_lens, k.device)
-            k_c, v_c = k.index_select(0, k_index), v.index_select(0, k_index)  # (keys, Hkv, D)
-            dk_c, dv_c = torch.empty_like(k_c), torch.empty_like(v_c)
-        dq_c = dq if q_in_place and not call.side else q.new_empty(rows, *q.shape[1:])  # (rows, Hq, D)
-        fwd_c = ForwardTensors(q_c, k_c, v_c, out_c, lse_c)
-        launch_backward(packed, dout_c, fwd_c, (dq_c, dk_c, dv_c), scale, bucket_shapes=options.bucket_shapes)
-        if call.side:  # the non-causal part of split sequences: add onto the causal part's dq
-            if q_in_place:
-                dq[:rows] += dq_c
-            else:
-                dq.index_add_(0, q_index, dq_c)
-        elif not q_in_place:
-            dq.index_copy_(0, q_index, dq_c)
-        if not k_in_place:
-            dk.index_copy_(0, k_index, dk_c)
-            dv.index_copy_(0, k_index, dv_c)
-    return dq, dk, dv

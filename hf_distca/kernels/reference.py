@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_distca.kernels.common import ForwardTensors, PackedSeqs, VarlenLayout, check_inputs, check_sinks
+from hf_distca.kernels.common import ForwardTensors, PackedSeqs, VarlenOffsets, check_inputs, check_sinks
 from hf_distca.kernels.sinks import with_sinks
 
 _Q_CHUNK = 1024
@@ -150,11 +150,11 @@ def reference_varlen_attention(
     """The oracle: the reference forward differentiated by torch.autograd (no explicit backward; with
     ``sinks``, differentiable w.r.t. them too).
 
-    Same layout, masking, softcapping and sinks as :func:`hf_distca.kernels.attention_forward`; returns
+    Same packed sequences, masking, softcapping and sinks as :func:`hf_distca.kernels.attention_forward`; returns
     out, and with ``return_lse`` also lse.
     """
-    layout = VarlenLayout(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    seqs = check_inputs(q, k, v, layout, window, softcap)
+    offsets = VarlenOffsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    seqs = check_inputs(q, k, v, offsets, window, softcap)
     out, lse = forward(q, k, v, seqs, q.shape[-1] ** -0.5 if scale is None else scale)
     if sinks is not None:
         check_sinks(sinks, q)

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 
 from hf_distca.linear.ops.scan_plan import build_scan_plan
 
-__all__ = ["LinkModel", "best_blocks", "chain_scan_time", "fit_link", "simulate_layout"]
+__all__ = ["PointToPointLink", "best_blocks", "chain_scan_time", "fit_link", "simulate_layout"]
 
 
 @dataclass(frozen=True)
-class LinkModel:
+class PointToPointLink:
     """A point-to-point link between two ranks."""
 
     latency_s: float
@@ -37,15 +37,15 @@ class LinkModel:
 
     def __post_init__(self) -> None:
         if not self.latency_s >= 0:
-            raise ValueError(f"LinkModel.latency_s must be >= 0, got {self.latency_s!r}")
+            raise ValueError(f"PointToPointLink.latency_s must be >= 0, got {self.latency_s!r}")
         if not self.bandwidth_Bps > 0:
-            raise ValueError(f"LinkModel.bandwidth_Bps must be > 0, got {self.bandwidth_Bps!r}")
+            raise ValueError(f"PointToPointLink.bandwidth_Bps must be > 0, got {self.bandwidth_Bps!r}")
 
     def message_s(self, num_bytes: float) -> float:
         return self.latency_s + num_bytes / self.bandwidth_Bps
 
 
-def fit_link(sizes_bytes: Sequence[float], times_s: Sequence[float]) -> LinkModel:
+def fit_link(sizes_bytes: Sequence[float], times_s: Sequence[float]) -> PointToPointLink:
     """Least-squares fit of time = latency + bytes / bandwidth to one-way message times."""
     if len(sizes_bytes) != len(times_s) or len(sizes_bytes) < 2:
         raise ValueError("fit_link needs at least two (size, time) pairs of equal count")
@@ -56,7 +56,7 @@ def fit_link(sizes_bytes: Sequence[float], times_s: Sequence[float]) -> LinkMode
     if sxx == 0 or sxy <= 0:
         raise ValueError("fit_link needs message sizes that differ and times that grow with size")
     slope = sxy / sxx
-    return LinkModel(latency_s=max(my - slope * mx, 0.0), bandwidth_Bps=1.0 / slope)
+    return PointToPointLink(latency_s=max(my - slope * mx, 0.0), bandwidth_Bps=1.0 / slope)
 
 
 def chain_scan_time(
@@ -66,7 +66,7 @@ def chain_scan_time(
     ranks: int,
     state_bytes: float,
     transition_bytes: float,
-    link: LinkModel,
+    link: PointToPointLink,
     num_blocks: int = 1,
 ) -> float:
     """Seconds of one scan direction for one chain of ``edges`` hops over ``ranks`` ranks (closed form)."""
@@ -84,7 +84,7 @@ def chain_scan_time(
     raise ValueError(f"method must be 'serial', 'all_scan' or 'all_gather', got {method!r}")
 
 
-def best_blocks(edges: int, state_bytes: float, link: LinkModel, max_blocks: int) -> int:
+def best_blocks(edges: int, state_bytes: float, link: PointToPointLink, max_blocks: int) -> int:
     """Block count in [1, max_blocks] minimising the All-Scan time of a chain of ``edges`` hops (the
     smallest on ties; near sqrt((edges - 1) S / (alpha beta)))."""
 
@@ -108,7 +108,7 @@ def simulate_layout(
     method: str,
     state_bytes: float,
     transition_bytes: float,
-    link: LinkModel,
+    link: PointToPointLink,
     num_blocks: int = 1,
 ) -> float:
     """Seconds of one scan direction of a whole layout, replaying the schedule of

@@ -2,7 +2,7 @@
 ([0, b), or [kv_start(a), b) under a sliding window: :mod:`hf_distca.planning.window`).
 
 A cost model is any object with ``task_cost(a, b) -> float``; the planner only compares and adds
-costs, so their unit is free. :func:`cost_model_from_config` picks the one a :class:`DistCAConfig`
+costs, so their unit is free. :func:`hf_distca.config.cost_model_from_config` picks the one a user config
 asks for: :class:`CausalPairsCost` (``cost_table=None``, and ``"auto"`` on the CPU), :class:`MeasuredCost`
 from the table of ``DistCAConfig.cost_table`` (written by ``python -m hf_distca.calibrate``) or, with
 ``"auto"`` on CUDA, the one the engine resolved (:mod:`hf_distca.cost_tables`,
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import bisect
 import copy
-import functools
 import hashlib
 import json
 import math
@@ -23,7 +22,6 @@ from typing import Any
 
 import numpy as np
 
-from hf_distca.config import COST_TABLE_AUTO
 from hf_distca.planning.window import as_window, attended_pairs, kv_start
 
 COST_TABLE_FORMAT = "hf_distca.cost_table/1"
@@ -305,30 +303,3 @@ def write_cost_table(
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
         f.write("\n")
-
-
-def cost_model_from_config(
-    config: Any, window: int | None = None, auto_table: MeasuredCost | None = None
-) -> CausalPairsCost | MeasuredCost:
-    """The cost model a :class:`~hf_distca.config.DistCAConfig` asks for, for a layer with this sliding
-    ``window`` (None: full causal).
-
-    ``config.cost_table`` None: :class:`CausalPairsCost`; a path: :class:`MeasuredCost` of that table,
-    loaded once per file version (path, modification time, size) and shared by later calls; ``"auto"``:
-    ``auto_table``, the table the engine resolved for the device, dtype, head shape and kernel
-    (:mod:`hf_distca.engine.cost_probe`), or causal pairs when it is None (CPU tensors, no engine)."""
-    path = getattr(config, "cost_table", None)
-    if path == COST_TABLE_AUTO:
-        return (_PAIRS if auto_table is None else auto_table).with_window(window)
-    if path is None:
-        return _PAIRS.with_window(window)
-    stat = os.stat(path)
-    return _load_table(os.path.abspath(path), stat.st_mtime_ns, stat.st_size).with_window(window)
-
-
-_PAIRS = CausalPairsCost()
-
-
-@functools.lru_cache(maxsize=8)
-def _load_table(path: str, mtime_ns: int, size: int) -> MeasuredCost:
-    return MeasuredCost.from_json(path)

@@ -103,8 +103,8 @@ def kv_rows_sent(plan: CorePlan, holder: int, server: int) -> np.ndarray:
 def build_dispatch_index(plan: CorePlan, rank: int, *, part: bool = False) -> DispatchIndex:
     """Index arrays for ``rank`` (cost: its own tasks plus the segments it holds of others' tasks).
 
-    ``part``: the plan's tasks are one part of a micro-batch's (a nano-batch,
-    :func:`hf_distca.planning.nano.nano_plans`), so local rows that no task computes are allowed; the
+    ``part``: the plan's tasks are one part of a micro-batch's (a ping-pong part,
+    :func:`hf_distca.planning.ping_pong.part_plans`), so local rows that no task computes are allowed; the
     outputs are then those of the computed rows (``computed_rows``)."""
     index = plan.index
     world = plan.world_size

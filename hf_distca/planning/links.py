@@ -9,13 +9,13 @@ training step (forward + backward), is therefore
 
     critical path = max over servers of compute + exposed(sum over phases of max over ranks of the
                     rank's phase time)
-    exposed(transfer) = max(0, (1 - overlap) x transfer - window)
+    exposed(transfer) = max(0, (1 - overlap) x transfer - hiding)
 
 where compute is the server's core-attention time, ``overlap`` the fraction of transfer time that
-overlapping communication with compute hides (``DistCAConfig.comm_overlap``) and ``window`` the seconds of
+overlapping communication with compute hides (``DistCAConfig.comm_overlap``) and ``hiding`` the seconds of
 other work each phase flies behind: under layer-level ping-pong the other nano-batch's layer work or
-kernels (:func:`hiding_window`, from ``DistCAConfig.layer_seconds_per_token``), else none. With windows,
-``exposed`` is the sum over the phases of ``max(0, share x (1 - overlap) x transfer - window)``. Compute time comes from
+kernels (:func:`with_hiding_work`, from ``DistCAConfig.layer_seconds_per_token``), else none. With such
+work, ``exposed`` is the sum over the phases of ``max(0, share x (1 - overlap) x transfer - hiding)``. Compute time comes from
 the cost model: a measured table (:class:`~hf_distca.planning.cost.MeasuredCost`) is already in seconds;
 causal (query, key) pairs are turned into seconds at ``DistCAConfig.attention_tflops``.
 """
@@ -35,6 +35,7 @@ from hf_distca.planning.cost import (
     MeasuredCost,
     attention_flops_per_pair,
 )
+from hf_distca.planning.options import PlannerOptions
 from hf_distca.planning.traffic import (
     CARRIES,
     INTER,
@@ -54,9 +55,9 @@ __all__ = [
     "LinkModel",
     "PhaseTimes",
     "attention_flops_per_pair",
-    "hiding_window",
+    "with_hiding_work",
     "layer_seconds_per_token",
-    "link_model_from_config",
+    "link_model_from_options",
     "plan_critical_path",
     "seconds_per_cost_unit",
 ]
@@ -79,9 +80,9 @@ class LinkModel:
     """Fraction of transfer time hidden under compute, in [0, 1]."""
     seconds_per_cost_unit: float
     """Seconds of one layer's forward+backward core attention per unit of the cost model."""
-    windows: tuple[tuple[float, float], ...] = ()
+    hiding: tuple[tuple[float, float], ...] = ()
     """Per all-to-all phase of a layer, (its share of the layer's transfer time, seconds of other work it
-    flies behind) (:func:`hiding_window`); empty: no such work."""
+    flies behind) (:func:`with_hiding_work`); empty: no such work."""
     kv_relay: bool = False
     """KV rows through the per-node relay (``DistCAConfig.kv_relay``, :mod:`hf_distca.planning.relay`):
     priced with their two stages in one table, moving at once like the link classes (the second stage
@@ -119,9 +120,9 @@ class LinkModel:
         """Seconds of one layer's transfers (``comm_seconds``, forward + backward) left exposed: the share
         overlap does not hide, less, phase by phase, the work each flies behind."""
         seconds = (1.0 - self.overlap) * comm_seconds
-        if not self.windows:
+        if not self.hiding:
             return seconds
-        return sum(max(0.0, share * seconds - window) for share, window in self.windows)
+        return sum(max(0.0, share * seconds - hiding) for share, hiding in self.hiding)
 
     def critical_path(self, max_cost: float, comm_seconds: float) -> float:
         """Seconds of one layer's core attention on the critical path: the slowest server's compute plus
@@ -154,33 +155,35 @@ def seconds_per_cost_unit(cost_model: Any, flops_per_pair: float | None, attenti
     return float(per_unit)
 
 
-def link_model_from_config(config: Any, cost_model: Any, flops_per_pair: float | None) -> LinkModel | None:
-    """The link model a :class:`~hf_distca.config.DistCAConfig` asks for; None when communication is
-    not priced (``link_gib_per_s`` None: the balance-only plan)."""
-    if config.link_gib_per_s is None:
+def link_model_from_options(
+    options: PlannerOptions, cost_model: Any, flops_per_pair: float | None
+) -> LinkModel | None:
+    """The link model the planner's ``options`` ask for; None when communication is not priced
+    (``link_gib_per_s`` None: the balance-only plan)."""
+    if options.link_gib_per_s is None:
         return None
-    intra = config.intra_node_gib_per_s
+    intra = options.intra_node_gib_per_s
     return LinkModel(
-        inter_bytes_per_s=config.link_gib_per_s * GIB,
+        inter_bytes_per_s=options.link_gib_per_s * GIB,
         intra_bytes_per_s=math.inf if intra is None else intra * GIB,
-        ranks_per_node=config.ranks_per_node,
-        overlap=config.comm_overlap,
-        seconds_per_cost_unit=seconds_per_cost_unit(cost_model, flops_per_pair, config.attention_tflops),
-        kv_relay=config.kv_relay,
+        ranks_per_node=options.ranks_per_node,
+        overlap=options.comm_overlap,
+        seconds_per_cost_unit=seconds_per_cost_unit(cost_model, flops_per_pair, options.attention_tflops),
+        kv_relay=options.kv_relay,
     )
 
 
-def hiding_window(
+def with_hiding_work(
     link: LinkModel,
-    config: Any,
+    options: PlannerOptions,
     tokens_per_rank: float,
     mean_cost: float,
     q_row_bytes: int,
     kv_row_bytes: int,
 ) -> LinkModel:
     """``link`` with the work each all-to-all phase flies behind under layer-level ping-pong
-    (``config.layer_seconds_per_token``; ``link`` unchanged when None). In the engine's order
-    (:func:`hf_distca.planning.schedule.layer_ping_pong`) one phase of each pass flies behind the other
+    (``options.layer_seconds_per_token``; ``link`` unchanged when None). In the engine's order
+    (the simulator's ``layer_ping_pong`` schedule, benchmarks/sim/schedule.py) one phase of each pass flies behind the other
     nano-batch's layer work of that pass and the other behind its kernel: a dispatch and a return per pass,
     which one behind which depending on the nano-batch's turn. Taken here the unfavourable way (the larger
     phase behind the shorter work), with the other nano-batch's work equal to this one's (the split gives
@@ -190,7 +193,7 @@ def hiding_window(
     seconds, 1 / FWD_BWD_FLOP_RATIO of it in forward. A phase's share of the transfer time: its bytes per
     row moved as the ledger carries them (:data:`~hf_distca.planning.traffic.CARRIES`), query and KV rows
     counted alike."""
-    per_token = getattr(config, "layer_seconds_per_token", None)
+    per_token = options.layer_seconds_per_token
     if per_token is None:
         return link
     layer = per_token * tokens_per_rank
@@ -202,12 +205,12 @@ def hiding_window(
     row = np.array([q_row_bytes, kv_row_bytes], dtype=np.float64)
     weight = {p: float(CARRIES[i].sum(axis=0) @ row) for i, p in enumerate(PHASES)}  # bytes per row moved
     total = sum(weight.values())
-    windows = []
+    hiding = []
     for pass_, (a, b) in work.items():
         phases = sorted((p for p in PHASES if p.startswith(pass_)), key=lambda p: -weight[p])
-        for phase, window in zip(phases, sorted((a, b)), strict=True):  # the larger phase, the shorter work
-            windows.append((weight[phase] / total, float(window)))
-    return dataclasses.replace(link, windows=tuple(windows))
+        for phase, seconds in zip(phases, sorted((a, b)), strict=True):  # the larger phase, the shorter work
+            hiding.append((weight[phase] / total, float(seconds)))
+    return dataclasses.replace(link, hiding=tuple(hiding))
 
 
 LAYER_FORWARD_SHARE = 0.25

@@ -5,11 +5,11 @@ is ever broadcast. This module decides which candidate plan wins; the greedy tha
 :mod:`hf_distca.planning.balancer`, the bytes a plan moves come from the traffic ledger
 (:mod:`hf_distca.planning.traffic`) and their time from the link model (:mod:`hf_distca.planning.links`).
 
-Without a link bandwidth (``DistCAConfig.link_gib_per_s`` None) the plan is the balance-only greedy's:
-every server within ``DistCAConfig.balance_tolerance`` of the mean cost. With one, the step's critical path is the slowest
+Without a link bandwidth (``PlannerOptions.link_gib_per_s`` None) the plan is the balance-only greedy's:
+every server within ``PlannerOptions.balance_tolerance`` of the mean cost. With one, the step's critical path is the slowest
 server's compute plus the exposed time of the engine's all-to-alls, each as long as its slowest rank (under
-layer-level ping-pong with ``DistCAConfig.layer_seconds_per_token``, less the window of the other
-nano-batch's work they fly behind: :func:`~hf_distca.planning.links.hiding_window`). The
+layer-level ping-pong with ``PlannerOptions.layer_seconds_per_token``, less the hiding work of the other
+nano-batch they fly behind: :func:`~hf_distca.planning.links.with_hiding_work`). The
 balance-only plan is kept when its transfer time is within ``balance_tolerance`` of its critical path and it is no
 slower than no balancing (so free links, infinite bandwidth or ``comm_overlap`` 1, give exactly the
 balance-only plan). Otherwise priced greedies run: one balances to the mean, others fill destinations up to
@@ -25,10 +25,10 @@ import gc
 import math
 from collections.abc import Sequence
 
-from hf_distca.config import DistCAConfig
 from hf_distca.planning.balancer import Balancer
 from hf_distca.planning.cost import CausalPairsCost
-from hf_distca.planning.links import LinkModel, hiding_window, link_model_from_config, plan_critical_path
+from hf_distca.planning.links import LinkModel, link_model_from_options, plan_critical_path, with_hiding_work
+from hf_distca.planning.options import PlannerOptions
 from hf_distca.planning.pieces import DocIndex
 from hf_distca.planning.tasks import CATask, CorePlan
 from hf_distca.planning.traffic import forward_bytes, plan_traffic
@@ -50,7 +50,7 @@ def plan_core_attention(
     *,
     q_row_bytes: int,
     kv_row_bytes: int,
-    config: DistCAConfig | None = None,
+    options: PlannerOptions | None = None,
     cost_model=None,
     flops_per_pair: float | None = None,
     window: int | None = None,
@@ -60,11 +60,13 @@ def plan_core_attention(
     pieces_per_rank[r]: rank r's pieces ``(doc_id, doc_start, length)`` in local order.
     q_row_bytes: bytes of one token's queries (heads x head_dim x element size); the same for outputs.
     kv_row_bytes: bytes of one token's keys plus values.
+    options: the balance target, bounds and links (:class:`~hf_distca.planning.options.PlannerOptions`;
+    ``DistCAConfig.planner_options()`` gives a user config's); default ``PlannerOptions()``.
     cost_model: object with ``task_cost(a, b)``; default :class:`CausalPairsCost` (causal (query, key)
-    pairs). :func:`hf_distca.planning.cost.cost_model_from_config` gives the one a config asks for.
+    pairs). :func:`hf_distca.config.cost_model_from_config` gives the one a user config asks for.
     flops_per_pair: forward+backward FLOPs of one (query, key) pair
     (:func:`~hf_distca.planning.links.attention_flops_per_pair`); needed to price causal pairs in
-    seconds when ``config.link_gib_per_s`` is set.
+    seconds when ``options.link_gib_per_s`` is set.
     window: the layer's sliding window (None: full causal): a task [a, b) then reads keys
     [max(0, a - window + 1), b) and costs its windowed pairs (:mod:`hf_distca.planning.window`); the cost
     model is given this window (its ``with_window``).
@@ -77,7 +79,7 @@ def plan_core_attention(
         raise ValueError(f"cost model {cost!r} has no with_window(): it cannot price a sliding window")
     with _collector_paused():
         return _plan(
-            pieces_per_rank, q_row_bytes, kv_row_bytes, config or DistCAConfig(), cost, flops_per_pair
+            pieces_per_rank, q_row_bytes, kv_row_bytes, options or PlannerOptions(), cost, flops_per_pair
         )
 
 
@@ -97,19 +99,19 @@ def _collector_paused():
 
 
 def _plan(
-    pieces_per_rank, q_row_bytes: int, kv_row_bytes: int, config: DistCAConfig, cost_model, flops_per_pair
+    pieces_per_rank, q_row_bytes: int, kv_row_bytes: int, options: PlannerOptions, cost_model, flops_per_pair
 ) -> CorePlan:
     cost = cost_model
-    link = link_model_from_config(config, cost, flops_per_pair)
+    link = link_model_from_options(options, cost, flops_per_pair)
     index = DocIndex(pieces_per_rank)
-    balance_only = Balancer(index, cost, config, None, q_row_bytes, kv_row_bytes)
+    balance_only = Balancer(index, cost, options, None, q_row_bytes, kv_row_bytes)
     before = (list(balance_only.loads), balance_only.pairs())
     if link is None:
         balance_only.balance()
         return _finish(balance_only, before, None, None)
     world = max(len(index.tokens_per_rank), 1)
-    link = hiding_window(
-        link, config, sum(index.tokens_per_rank) / world, sum(before[0]) / world, q_row_bytes, kv_row_bytes
+    link = with_hiding_work(
+        link, options, sum(index.tokens_per_rank) / world, sum(before[0]) / world, q_row_bytes, kv_row_bytes
     )
 
     origin = balance_only.priced(link)
@@ -118,7 +120,7 @@ def _plan(
     plan = _finish(balance_only, before, link, None, unbalanced)
     exposed = plan.critical_path_after - link.critical_path(max(plan.load_after, default=0.0), 0.0)
     if (
-        exposed <= config.balance_tolerance * plan.critical_path_after
+        exposed <= options.balance_tolerance * plan.critical_path_after
         and plan.critical_path_after <= unbalanced
     ):
         return plan  # communication costs less than the imbalance the tolerance accepts
@@ -174,7 +176,7 @@ def _finish(
     )
     # (ranks, 2, 4): what the engine sends, through the relay when the config asks for it, priced or not
     relay = balancer.relayed
-    table = plan_traffic(plan, balancer.config.ranks_per_node if link is not None or relay else None, relay)
+    table = plan_traffic(plan, balancer.options.ranks_per_node if link is not None or relay else None, relay)
     plan.bytes_sent, plan.bytes_received = forward_bytes(plan, table)
     if link is not None:
         plan.critical_path_after = plan_critical_path(plan, link, table=table)

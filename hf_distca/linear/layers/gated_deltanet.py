@@ -36,7 +36,7 @@ from transformers.activations import ACT2FN
 from hf_distca.linear.config import LinearSPConfig
 from hf_distca.linear.layers.rows import cu_seqlens_of, input_pieces
 from hf_distca.linear.ops.conv_halo import causal_conv_pieces
-from hf_distca.linear.ops.local import prepare_backend, recurrence, resolve_backend
+from hf_distca.linear.ops.local import prepare_backend, recurrence, resolve_linear_backend
 from hf_distca.linear.ops.sequence_parallel import linear_attention
 
 __all__ = ["POSITION_IDS_KWARG", "GatedDeltaNetSP", "pass_position_ids"]
@@ -185,7 +185,7 @@ class GatedDeltaNetSP(nn.Module, abc.ABC):
         if hidden_states.is_cuda:
             backend = self.linear_sp_backend
         else:
-            backend = resolve_backend(
+            backend = resolve_linear_backend(
                 self.linear_sp_config.backend, hidden_states.device, kind=self.linear_kind
             )
         kernel_dtype = hidden_states.dtype if backend == "fla" else state_dtype

@@ -9,7 +9,7 @@ from hf_distca.linear.ops.local import (
     piece_transitions,
     prepare_backend,
     recurrence,
-    resolve_backend,
+    resolve_linear_backend,
     state_contribution,
 )
 from hf_distca.linear.ops.recurrence import Recurrence, transition_kind
@@ -34,7 +34,7 @@ __all__ = [
     "piece_transitions",
     "prepare_backend",
     "recurrence",
-    "resolve_backend",
+    "resolve_linear_backend",
     "scan_backward",
     "scan_forward",
     "scan_states",

@@ -15,8 +15,8 @@ with gradients for both, which is all the sequence-parallel path needs. Mapping 
 fla-core 0.6 refuses, in backward, the gated ``chunk_bwd_dqkwg`` that 'scalar' and 'delta' go through on
 Hopper GPUs with Triton >= 3.4.0 and < 3.7.1 (wrong results, fla issue #640), unless its TileLang backend
 takes the call (``fla/ops/common/chunk_o.py``, ``fla/ops/common/backends/tilelang/__init__.py``).
-:func:`fla_unsafe_reason` mirrors that rule as a pure function; ``resolve_backend`` uses it so that 'auto'
-never picks fla there and an explicit 'fla' fails before any kernel runs.
+:func:`fla_unsafe_reason` mirrors that rule as a pure function; ``resolve_linear_backend`` uses it so
+that 'auto' never picks fla there and an explicit 'fla' fails before any kernel runs.
 """
 
 from __future__ import annotations

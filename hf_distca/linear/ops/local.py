@@ -35,14 +35,14 @@ __all__ = [
     "prepare_backend",
     "piece_transitions",
     "recurrence",
-    "resolve_backend",
+    "resolve_linear_backend",
     "state_contribution",
 ]
 
 _RECURRENCES = {"reference": run_reference, "chunked": run_chunked, "fla": run_fla}
 
 
-def resolve_backend(
+def resolve_linear_backend(
     backend: str, device: torch.device, *, kind: str | None = None, dtype: torch.dtype | None = None
 ) -> str:
     """The concrete backend ('reference', 'chunked' or 'fla') for ``backend`` on ``device``.
@@ -73,7 +73,7 @@ def prepare_backend(backend: str, kind: str | None, dtype: torch.dtype | None = 
     model is prepared: an explicit 'fla' that is missing or wrong there raises now. Returns the concrete
     backend."""
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    name = resolve_backend(backend, device or torch.device("cpu"), kind=kind, dtype=dtype)
+    name = resolve_linear_backend(backend, device or torch.device("cpu"), kind=kind, dtype=dtype)
     if name == "fla" and device is not None and not fla_available():
         raise ImportError("backend='fla' needs flash-linear-attention: pip install fla-core (and triton)")
     return name
@@ -94,7 +94,7 @@ def recurrence(
     chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The recurrence over packed sequences (the math: :mod:`hf_distca.linear.ops.recurrence`) with the
-    chosen backend (:func:`resolve_backend`); inputs are checked here, once, for every backend.
+    chosen backend (:func:`resolve_linear_backend`); inputs are checked here, once, for every backend.
 
     q, k: (T, H, K); v: (T, H, V); log_decay: None, (H,), (T, H) or (T, H, K); beta: None or (T, H);
     cu_seqlens: host offsets of the N packed sequences; initial_state: (N, H, K, V) or None (zeros).
@@ -107,7 +107,7 @@ def recurrence(
     t, h, kd = q.shape
     bounds = check_offsets(cu_seqlens, t, initial_state, (h, kd, v.shape[-1]))
     call = Recurrence(q, k, v, bounds, log_decay, beta, scale, initial_state, output_final_state)
-    name = resolve_backend(backend, q.device, kind=fla_kind(log_decay, beta), dtype=q.dtype)
+    name = resolve_linear_backend(backend, q.device, kind=fla_kind(log_decay, beta), dtype=q.dtype)
     if chunk_size is None:
         return _RECURRENCES[name](call)
     if name != "chunked":

@@ -20,7 +20,12 @@ from hf_distca.comm import group_rank_world
 from hf_distca.linear.config import LinearSPConfig
 from hf_distca.linear.ops.all_scan import scan_states
 from hf_distca.linear.ops.fla_backend import fla_kind
-from hf_distca.linear.ops.local import piece_transitions, recurrence, resolve_backend, state_contribution
+from hf_distca.linear.ops.local import (
+    piece_transitions,
+    recurrence,
+    resolve_linear_backend,
+    state_contribution,
+)
 from hf_distca.linear.ops.recurrence import check_recurrence_inputs, transition_kind
 from hf_distca.linear.ops.scan_plan import build_scan_plan
 
@@ -70,7 +75,7 @@ def linear_attention(
     if [tuple(int(x) for x in p) for p in all_pieces[rank]] != local:
         raise ValueError(f"pieces differ from all_pieces[{rank}]: every rank must pass the same layout")
     plan = build_scan_plan(all_pieces, rank)
-    backend = resolve_backend(config.backend, q.device, kind=fla_kind(log_decay, beta), dtype=q.dtype)
+    backend = resolve_linear_backend(config.backend, q.device, kind=fla_kind(log_decay, beta), dtype=q.dtype)
 
     nonempty = [i for i, (_, _, n) in enumerate(local) if n > 0]
     cu = [0]

@@ -1,5 +1,5 @@
-"""The nano-batch split (ping-pong): the parts of a micro-batch's core attention whose exchanges and
-kernels interleave. Pure Python/NumPy; the engine's schedule of the parts is :mod:`hf_distca.engine.nano`.
+"""The ping-pong split: the parts of a micro-batch's core attention whose exchanges and
+kernels interleave. Pure Python/NumPy; the engine's schedule of the parts is :mod:`hf_distca.engine.ping_pong`.
 
 The split is made on the balanced plan, so it changes neither the plan nor the math: a query row's output
 depends only on its own KV prefix, so a task [a, b) cut at m into [a, m) (KV prefix [0, m)) and [m, b) (KV
@@ -40,13 +40,16 @@ import math
 
 import numpy as np
 
-from hf_distca.config import PING_PONG_SPLITS
 from hf_distca.planning.pieces import DocIndex
 from hf_distca.planning.tasks import CATask, CorePlan
 from hf_distca.planning.traffic import PHASES, forward_bytes, phase_bytes
 from hf_distca.planning.window import Ranges, attended_pairs, kv_ranges, kv_start
 
-__all__ = ["BALANCE", "DUPLICATE_GAP", "nano_plans", "split_server_tasks"]
+__all__ = ["BALANCE", "DUPLICATE_GAP", "PING_PONG_SPLITS", "part_plans", "split_server_tasks"]
+
+PING_PONG_SPLITS = ("local_first", "halves")
+"""How ping-pong splits a micro-batch's core attention into parts (``DistCAConfig.ping_pong_split``; the
+module docstring)."""
 
 BALANCE = 0.05
 """Whole documents are enough when two halves' work differs by at most this share of their work."""
@@ -55,8 +58,8 @@ DUPLICATE_GAP = 1 / 3
 the halves more than this share of the server's work apart (one half below a third)."""
 
 
-def nano_plans(plan: CorePlan, shard_tokens: int, split: str = "local_first") -> list[CorePlan]:
-    """The nano-batches of ``plan`` split the ``split`` way (one of PING_PONG_SPLITS), in the order they
+def part_plans(plan: CorePlan, shard_tokens: int, split: str = "local_first") -> list[CorePlan]:
+    """The ping-pong parts of ``plan`` split the ``split`` way (one of PING_PONG_SPLITS), in the order they
     run: per part, the plan restricted to its tasks (key ranges, loads and traffic of those tasks); parts
     empty on every server are dropped. ``shard_tokens``: the config's, where cuts prefer to fall. Every
     rank derives the same parts from the same plan; nothing is exchanged."""
@@ -69,7 +72,7 @@ def nano_plans(plan: CorePlan, shard_tokens: int, split: str = "local_first") ->
         for server, tasks in enumerate(plan.tasks)
     ]
     used = [j for j in range(len(per_server[0])) if any(parts[j] for parts in per_server)]
-    return [_nano_plan(plan, [server_parts[j] for server_parts in per_server]) for j in used]
+    return [_part_plan(plan, [server_parts[j] for server_parts in per_server]) for j in used]
 
 
 # ------------------------------------------------------------------------------------------ the split
@@ -226,16 +229,16 @@ def _head_cut(
     return tasks[-1].q_end, done, tasks[-1].q_end
 
 
-def _nano_plan(plan: CorePlan, tasks: list[list[CATask]]) -> CorePlan:
-    """The micro-batch's plan restricted to one nano-batch's tasks (key ranges, loads and traffic of
+def _part_plan(plan: CorePlan, tasks: list[list[CATask]]) -> CorePlan:
+    """The micro-batch's plan restricted to one part's tasks (key ranges, loads and traffic of
     those tasks)."""
     kv = [_kv_ranges(ts, plan.window) for ts in tasks]
     pairs = [sum(attended_pairs(t.q_start, t.q_end, plan.window) for t in ts) for ts in tasks]
-    nano = dataclasses.replace(
+    part = dataclasses.replace(
         plan, tasks=tasks, kv_ranges=kv, load_after=[float(p) for p in pairs], pairs_after=pairs
     )
-    nano.bytes_sent, nano.bytes_received = forward_bytes(nano)
-    return nano
+    part.bytes_sent, part.bytes_received = forward_bytes(part)
+    return part
 
 
 def _kv_ranges(tasks: list[CATask], window: int | None) -> dict[int, Ranges]:

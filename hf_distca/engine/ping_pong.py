@@ -1,5 +1,5 @@
-"""Nano-batches on this rank: the parts of a micro-batch's core attention whose exchanges and kernels
-interleave (the split itself, pure NumPy: :mod:`hf_distca.planning.nano`).
+"""Ping-pong parts on this rank: the parts of a micro-batch's core attention whose exchanges and kernels
+interleave (the split itself, pure NumPy: :mod:`hf_distca.planning.ping_pong`).
 
 The engine's runner (:class:`hf_distca.engine.op.PingPongRunner`) starts every part's dispatch at once,
 then runs the parts' kernels in order, each as soon as its own rows have arrived, and starts each part's
@@ -21,20 +21,20 @@ import torch
 
 from hf_distca.engine.prepare import PreparedAttention
 from hf_distca.planning import build_dispatch_index, forward_flops_per_pair
-from hf_distca.planning.nano import nano_plans
+from hf_distca.planning.ping_pong import part_plans
 from hf_distca.planning.relay import with_relay
 
-__all__ = ["NanoSplit", "nano_batches", "whole"]
+__all__ = ["PartSplit", "ping_pong_parts", "whole"]
 
 
 @dataclass
-class NanoSplit:
-    """The nano-batches of one micro-batch on this rank, in the order their stages run."""
+class PartSplit:
+    """The ping-pong parts of one micro-batch on this rank, in the order their stages run."""
 
     parts: tuple[PreparedAttention, ...]
-    """Per nano-batch, what the stages need (its own plan and index over this rank's full q, k, v)."""
+    """Per part, what the stages need (its own plan and index over this rank's full q, k, v)."""
     rows: tuple[np.ndarray, ...]
-    """Per nano-batch, the local rows whose queries it computes (ascending); together every local row once."""
+    """Per part, the local rows whose queries it computes (ascending); together every local row once."""
     _order: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def local_order(self, device: torch.device) -> torch.Tensor:
@@ -46,28 +46,28 @@ class NanoSplit:
         return self._order[key]
 
 
-def whole(prepared: PreparedAttention) -> NanoSplit:
+def whole(prepared: PreparedAttention) -> PartSplit:
     """The micro-batch as one part (the serial schedule)."""
-    return NanoSplit((prepared,), (np.arange(prepared.index.num_local, dtype=np.int64),))
+    return PartSplit((prepared,), (np.arange(prepared.index.num_local, dtype=np.int64),))
 
 
-def nano_batches(prepared: PreparedAttention, shard_tokens: int, split: str = "local_first") -> NanoSplit:
-    """The nano-batches of ``prepared`` split the ``split`` way (one of PING_PONG_SPLITS,
-    :func:`hf_distca.planning.nano.nano_plans`), computed once per prepared micro-batch and cached on it;
+def ping_pong_parts(prepared: PreparedAttention, shard_tokens: int, split: str = "local_first") -> PartSplit:
+    """The ping-pong parts of ``prepared`` split the ``split`` way (one of PING_PONG_SPLITS,
+    :func:`hf_distca.planning.ping_pong.part_plans`), computed once per prepared micro-batch and cached on it;
     ``shard_tokens``: the config's, where cuts prefer to fall."""
     key = (shard_tokens, split)
-    if key in prepared.nano_splits:
-        return prepared.nano_splits[key]
+    if key in prepared.part_splits:
+        return prepared.part_splits[key]
     flops_per_pair = forward_flops_per_pair(prepared.q_heads, prepared.head_dim)
     parts, rows = [], []
-    for nano_plan in nano_plans(prepared.plan, shard_tokens, split):
-        index = build_dispatch_index(nano_plan, prepared.rank, part=True)
+    for part_plan in part_plans(prepared.plan, shard_tokens, split):
+        index = build_dispatch_index(part_plan, prepared.rank, part=True)
         if prepared.index.relay is not None:  # the micro-batch's KV goes through the relay: its parts' too
-            index = with_relay(nano_plan, index, prepared.index.relay.ranks_per_node)
-        flops = [x * flops_per_pair for x in nano_plan.pairs_after]
+            index = with_relay(part_plan, index, prepared.index.relay.ranks_per_node)
+        flops = [x * flops_per_pair for x in part_plan.pairs_after]
         parts.append(
             PreparedAttention(
-                plan=nano_plan,
+                plan=part_plan,
                 index=index,
                 q_heads=prepared.q_heads,
                 kv_heads=prepared.kv_heads,
@@ -79,5 +79,5 @@ def nano_batches(prepared: PreparedAttention, shard_tokens: int, split: str = "l
             )
         )
         rows.append(index.computed_rows)
-    prepared.nano_splits[key] = NanoSplit(tuple(parts), tuple(rows))
-    return prepared.nano_splits[key]
+    prepared.part_splits[key] = PartSplit(tuple(parts), tuple(rows))
+    return prepared.part_splits[key]

@@ -1,4 +1,5 @@
-"""The engine's schedules of one micro-batch as plain data, and a list scheduler that times them.
+"""The engine's schedules of one micro-batch as plain data, and a list scheduler that times them (the
+simulator's; NumPy only).
 
 A schedule is the ordered list of operations every rank runs for one micro-batch (all ranks run the same
 list; only the durations differ): compute on the rank's one compute stream, and the start of and the wait
@@ -10,7 +11,7 @@ schedules, built by pure functions:
   backward mirrored: ``post(l)`` backward (with checkpointing: the layer's recomputed forward first), the
   backward attention call, ``pre(l)`` backward.
 - attention-level ping-pong (:func:`serial` with several ``parts``, the engine's PingPongRunner over
-  :func:`hf_distca.planning.nano.nano_plans`): inside one attention call, every part's dispatch is started,
+  :func:`hf_distca.planning.ping_pong.part_plans`): inside one attention call, every part's dispatch is started,
   then per part: wait for its dispatch, its kernel, start its return; then every part's return is waited
   for. Messages hide only behind kernels of the same call.
 - layer-level ping-pong (:func:`layer_ping_pong`): two nano-batches of documents, each with its own plan,

@@ -1,0 +1,65 @@
+"""The step-time simulator's model (its command line and the description of the model: benchmarks/simulate.py).
+Re-exports only."""
+
+from .costs import (
+    HOST_STAGED_GIBPS,
+    KERNELS_H200,
+    NON_ATTENTION_8_LAYERS,
+    NVLINK_ALL_TO_ALL,
+    PEAK_TFLOPS,
+    STRAGGLER_4_LAYERS,
+    KernelTable,
+    LinearCost,
+    Links,
+    ModelShape,
+    Setting,
+)
+from .pricing import (
+    MicroBatch,
+    Result,
+    ideal_gain_share,
+    ideal_work,
+    kv_fanout,
+    phases,
+    price_plan,
+    price_plans,
+    simulate,
+    simulate_micro_batch,
+    traffic,
+)
+from .report import Row, write_report
+from .systems import BASELINES, EXPLORATIONS, SYSTEM_SPECS, SYSTEMS, System, plan_layout, planner_config
+
+__all__ = [
+    "BASELINES",
+    "EXPLORATIONS",
+    "HOST_STAGED_GIBPS",
+    "KERNELS_H200",
+    "NON_ATTENTION_8_LAYERS",
+    "NVLINK_ALL_TO_ALL",
+    "PEAK_TFLOPS",
+    "STRAGGLER_4_LAYERS",
+    "SYSTEMS",
+    "SYSTEM_SPECS",
+    "KernelTable",
+    "LinearCost",
+    "Links",
+    "MicroBatch",
+    "ModelShape",
+    "Result",
+    "Row",
+    "Setting",
+    "System",
+    "ideal_gain_share",
+    "ideal_work",
+    "kv_fanout",
+    "phases",
+    "plan_layout",
+    "planner_config",
+    "price_plan",
+    "price_plans",
+    "simulate",
+    "simulate_micro_batch",
+    "traffic",
+    "write_report",
+]
