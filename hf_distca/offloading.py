@@ -34,7 +34,15 @@ from hf_distca.engine.host_arena import HostArena
 from hf_distca.engine.offload import Offloader
 from hf_distca.engine.remat import KeptPlacement, placing_kept_attention
 
-__all__ = ["OFFLOAD_ATTR", "ActivationOffload", "OffloadOptions", "decoder_layers", "offload_activations"]
+__all__ = [
+    "OFFLOAD_ATTR",
+    "ActivationOffload",
+    "OffloadOptions",
+    "check_offload_applies",
+    "decoder_layers",
+    "offload_activations",
+    "resolve_over_ranks",
+]
 
 OFFLOAD_ATTR = "distca_offload"
 """The attribute of a model that holds its :class:`ActivationOffload` (its one owner)."""
@@ -245,3 +253,51 @@ def offload_activations(
     offload = ActivationOffload(model, options)
     setattr(model, OFFLOAD_ATTR, offload)
     return offload
+
+
+def check_offload_applies(
+    options: OffloadOptions | None, *, attn_implementation: str | None, checkpointing: bool, remat: bool
+) -> None:
+    """Refuse offload options a Trainer run would not honour (every rank alike, before training): any of
+    them without activation checkpointing, and a kept-attention placement other than "gpu" where no
+    attention output is kept (attention other than ``distca``, or checkpointing that recomputes it:
+    ``recompute_attention``/``--recompute-attention`` or ``use_reentrant=True``)."""
+    if options is None or not options.active:
+        return
+    if not checkpointing:
+        raise ValueError(
+            f"OffloadOptions(inputs={options.inputs!r}, kept_attention={options.kept_attention!r}) "
+            "(--offload-activations, --kept-attention): no effect without activation checkpointing, which is what "
+            "they move off the device; add --gradient-checkpointing (TrainingArguments(activation_checkpointing="
+            "True)) or leave them out"
+        )
+    if options.needs_remat and (attn_implementation != "distca" or not remat):
+        where = (
+            f"attn_implementation={attn_implementation!r}"
+            if attn_implementation != "distca"
+            else "checkpointing that recomputes attention (recompute_attention / --recompute-attention, or "
+            "use_reentrant=True)"
+        )
+        raise ValueError(
+            f"kept_attention={options.kept_attention!r} (--kept-attention): no effect under {where}, which keeps no "
+            "attention output; only rematerialization-aware checkpointing of distca attention does (--attn distca "
+            "or local, without --recompute-attention). Leave it at 'gpu'"
+        )
+
+
+def resolve_over_ranks(
+    offload: ActivationOffload, tokens: int, dtype: torch.dtype, device: torch.device, group: Any = None
+) -> list[str]:
+    """Choose ``kept_attention="auto"`` before the first step from the least free device and host memory
+    over the ranks of ``group`` (one all-gather; every rank gets the same policy)."""
+    from hf_distca.comm import all_gather_rows
+
+    free_device = kept.free_device_bytes(device)
+    rows = all_gather_rows([-1 if free_device is None else free_device, kept.free_host_bytes()], group)
+    least_device = min(r[0] for r in rows)
+    return offload.resolve(
+        tokens,
+        dtype,
+        free_device=None if least_device < 0 else least_device,
+        free_host=min(r[1] for r in rows),
+    )
