@@ -321,3 +321,34 @@ def test_every_option_exact_on_two_ranks_with_the_engine():
         check_runs(runs, f"engine/2 rank {rank}")
         assert runs["none"]["stats"].bytes_sent > 0  # the engine really moved rows between the ranks
     assert per_rank[0]["host"]["loss"] == per_rank[1]["host"]["loss"]
+
+
+# ----------------------------------------------------------------------------------- the recipe's flags
+def test_recipe_memory_flags_equal_the_run_without_them(tmp_path):
+    """recipes/finetune_long_docs.py on one process: --offload-activations --kept-attention drop,host
+    --tiled-mlp 64 with --gradient-checkpointing trains the same losses as without checkpointing, and
+    summary.json reports what they did."""
+    import json
+
+    from test_recipe import load_recipe
+
+    sample = tmp_path / "lengths.json"
+    sample.write_text("[40, 700, 1500, 90, 300]")
+    recipe = load_recipe()
+    common = ["--doc-lengths", str(sample), "--num-documents", "40", "--max-steps", "2", "--tokens-per-rank",
+              "4096", "--optim", "sgd", "--no-save"]  # fmt: skip
+    memory = ["--gradient-checkpointing", "--offload-activations", "--kept-attention", "drop,host",
+              "--tiled-mlp", "64"]  # fmt: skip
+    for attn in ("distca", "local"):
+        losses = {}
+        for name, extra in (("plain", []), ("memory", memory)):
+            out = tmp_path / f"{attn}-{name}"
+            summary = recipe.main([*common, "--attn", attn, "--output-dir", str(out), *extra])
+            lines = (out / "metrics.jsonl").read_text().splitlines()
+            losses[name] = [json.loads(line)["loss"] for line in lines]
+        for got, want in zip(losses["memory"], losses["plain"], strict=True):
+            assert abs(got - want) <= TOL["train_loss"][0] * abs(want), (attn, losses)
+        report = summary["memory"]
+        assert report["kept_attention"] == ["drop", "host"] and report["tiled_mlps"] == LAYERS, report
+        # micro-batches of ~4K tokens: every layer input (and layer 1's kept output) is over the 1 MiB threshold
+        assert report["offloaded_tensors"] > 0, report
