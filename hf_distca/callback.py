@@ -169,6 +169,14 @@ class DistCACallback(TrainerCallback):
             self.offload, attn_implementation=impl, checkpointing=_checkpointing_on(args),
             remat=not self.recompute_attention and not user.get("use_reentrant", False),
         )  # fmt: skip
+        if getattr(args, "torch_compile", False) and (
+            self.tiled_mlp is not None or (self.offload and self.offload.active)
+        ):
+            raise ValueError(
+                "offload / tiled_mlp (--offload-activations, --kept-attention, --tiled-mlp) are not traced by "
+                "torch.compile (module hooks entering saved-tensor hooks, an autograd function holding the MLP): "
+                "leave out --torch-compile (TrainingArguments(torch_compile=True)) or these options"
+            )
         if self.tiled_mlp is not None:
             from hf_distca.tiled_mlp import tile_mlp
 

@@ -183,16 +183,12 @@ def remat_context_fn() -> tuple[Any, Any]:
     selective-checkpointing contexts only) the same effect through torch's public selective checkpointing:
     the engine's compiled attention ops (:data:`KEPT_OPS`) are saved, never recomputed. A
     :class:`KeptPlacement` active on this thread says where the frame keeps them (or that there is none)."""
-    placement = _placements()[-1] if _placements() else None
     if traced():
-        if placement is not None and (placement.drop or placement.pack is not None):
-            raise RuntimeError(
-                "kept attention outputs in host memory or dropped (kept_attention 'host'/'drop') cannot be traced "
-                "by torch.compile (it keeps them through selective checkpointing, on the device); use "
-                "kept_attention='gpu' or leave the model uncompiled"
-            )
+        # the placement is not read here: the hooks that enter it do not run inside a traced region, and a
+        # layer whose placement was never consulted refuses host/drop (hf_distca.offloading)
         _check_traced_remat_supported()
         return create_selective_checkpoint_contexts(_save_attention)
+    placement = _placements()[-1] if _placements() else None
     if placement is not None:
         placement.consulted = True
         if placement.drop:
