@@ -7,7 +7,9 @@ from hf_distca.checkpointing import enable_remat_checkpointing, remat_checkpoint
 from hf_distca.config import DistCAConfig
 from hf_distca.engine import InconsistentInputError, core_attention, local_attention
 from hf_distca.nano_batches import forward_nano_batches, nano_batch_loss
+from hf_distca.offloading import OffloadOptions, offload_activations
 from hf_distca.planning import CATask, CorePlan, Piece, PieceError, plan_core_attention
+from hf_distca.tiled_mlp import tile_mlp
 from hf_distca.trainer import DistCATrainer, DistCATrainerMixin
 from hf_distca.version import __version__
 
@@ -19,6 +21,7 @@ __all__ = [
     "DistCATrainer",
     "DistCATrainerMixin",
     "InconsistentInputError",
+    "OffloadOptions",
     "Piece",
     "PieceError",
     "__version__",
@@ -30,6 +33,8 @@ __all__ = [
     "local_attention",
     "metrics",
     "nano_batch_loss",
+    "offload_activations",
     "plan_core_attention",
     "remat_checkpointing_kwargs",
+    "tile_mlp",
 ]

@@ -25,6 +25,12 @@ from hf_distca.config import DistCAConfig
 from hf_distca.data.loader import DistCABatches, DistCADataLoader, TokenDocuments
 from hf_distca.data.rebatch import LayoutFn, layout_balanced
 from hf_distca.engine import engine_state
+from hf_distca.offloading import (
+    OffloadOptions,
+    check_offload_applies,
+    offload_activations,
+    resolve_over_ranks,
+)
 from hf_distca.step_records import StepRecords
 from hf_distca.validation import (
     attention_server_group,
@@ -77,6 +83,12 @@ class DistCACallback(TrainerCallback):
             ``hf_distca.data.layout_balanced``, cutting a document inside one node where
             ``config.ranks_per_node`` names the nodes); benchmarks pass the baselines of
             :mod:`hf_distca.data.baselines`.
+        offload: what activation checkpointing keeps, off the device (:class:`hf_distca.offloading.OffloadOptions`:
+            layer inputs in host memory, kept attention outputs per layer on the device, in host memory or
+            dropped; ``kept_attention="auto"`` is chosen before the first step from the least free memory over
+            the ranks). Needs activation checkpointing; the choice is in :attr:`memory_report`.
+        tiled_mlp: run each decoder layer's MLP over tiles of this many tokens (0: the model's hidden size;
+            :func:`hf_distca.tiled_mlp.tile_mlp`), keeping only its input for backward. None: off.
     """
 
     def __init__(
@@ -92,6 +104,8 @@ class DistCACallback(TrainerCallback):
         pad_token_id: int | None = None,
         recompute_attention: bool = False,
         layout: LayoutFn | None = None,
+        offload: OffloadOptions | None = None,
+        tiled_mlp: int | None = None,
     ):
         self.config = config or DistCAConfig()
         if not isinstance(tokens_per_rank, int) or tokens_per_rank < self.config.shard_tokens:
@@ -108,6 +122,12 @@ class DistCACallback(TrainerCallback):
         self.pad_token_id = pad_token_id
         self.recompute_attention = recompute_attention
         self.layout = layout
+        if tiled_mlp is not None and (not isinstance(tiled_mlp, int) or tiled_mlp < 0):
+            raise ValueError(
+                f"tiled_mlp={tiled_mlp!r} (--tiled-mlp): give tokens per tile (0: the hidden size) or None"
+            )
+        self.offload, self.tiled_mlp = offload, tiled_mlp
+        self._offload = None
         self.batches: DistCABatches | None = None
         self._trainer = None
         self._group = None
@@ -144,6 +164,23 @@ class DistCACallback(TrainerCallback):
         check_config_applies(self.config, attn_implementation=impl, disaggregate=self.disaggregate)
         if impl == "distca":
             check_backend_runs(self.config, args.device, _compute_dtype(args, model))
+        user = _checkpointing_kwargs(args)
+        check_offload_applies(
+            self.offload, attn_implementation=impl, checkpointing=_checkpointing_on(args),
+            remat=not self.recompute_attention and not user.get("use_reentrant", False),
+        )  # fmt: skip
+        if getattr(args, "torch_compile", False) and (
+            self.tiled_mlp is not None or (self.offload and self.offload.active)
+        ):
+            raise ValueError(
+                "offload / tiled_mlp (--offload-activations, --kept-attention, --tiled-mlp) are not traced by "
+                "torch.compile (module hooks entering saved-tensor hooks, an autograd function holding the MLP): "
+                "leave out --torch-compile (TrainingArguments(torch_compile=True)) or these options"
+            )
+        if self.tiled_mlp is not None:
+            from hf_distca.tiled_mlp import tile_mlp
+
+            tile_mlp(model, self.tiled_mlp or None)  # before the Trainer wraps the model
         if trainer.train_dataset is None:
             raise ValueError("DistCACallback needs DistCATrainer(train_dataset=...) with tokenized documents")
         documents = TokenDocuments(trainer.train_dataset, column=self.column)
@@ -221,9 +258,31 @@ class DistCACallback(TrainerCallback):
             engine_state().prefetcher.start(wait=True)
         if not self.recompute_attention:
             switch_trainer_checkpointing(model, args)  # after the Trainer enabled checkpointing
+        if self.offload is not None and self.offload.active:
+            self._start_offload(args, model)
         startup = metrics.snapshot(reset=True)
         self._records.begin(args, state.global_step, getattr(model, "config", None), startup)
         return control
+
+    def _start_offload(self, args, model) -> None:
+        while not hasattr(model, "gradient_checkpointing_enable") and hasattr(model, "module"):
+            model = model.module  # a DDP/FSDP/DeepSpeed wrapper around the Transformers model
+        self._offload = offload_activations(model, self.offload)
+        if self.offload.kept_attention == "auto":  # every rank the same choice, before the first step
+            resolve_over_ranks(
+                self._offload, self.tokens_per_rank, _compute_dtype(args, model), args.device, self._group
+            )
+
+    @property
+    def memory_report(self) -> dict:
+        """What the memory options chose and moved: the kept-attention policy per layer, offloaded tensors,
+        the host arena's size, the tiled MLPs (empty without them)."""
+        out = {} if self._offload is None else self._offload.report()
+        if self.tiled_mlp is not None and self._trainer is not None:
+            from hf_distca.tiled_mlp import tiled_mlp_report
+
+            out.update(tiled_mlp_report(self._trainer.model))
+        return out
 
     def on_epoch_begin(self, args, state, control, **kwargs):
         # the Trainer's epoch after a resume (it sets no epoch on the loader that skips trained steps)
@@ -251,6 +310,20 @@ def _compute_dtype(args, model) -> torch.dtype:
     if getattr(args, "fp16", False):
         return torch.float16
     return next(model.parameters()).dtype
+
+
+def _checkpointing_on(args) -> bool:
+    """Whether the Trainer's arguments turn activation checkpointing on (5.24 renamed the field)."""
+    return bool(
+        getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False)
+    )
+
+
+def _checkpointing_kwargs(args) -> dict:
+    user = getattr(args, "activation_checkpointing_kwargs", None)
+    if user is None:
+        user = getattr(args, "gradient_checkpointing_kwargs", None)
+    return dict(user or {})
 
 
 def _check_same_documents(lengths: list[int]) -> None:

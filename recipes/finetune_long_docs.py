@@ -156,6 +156,27 @@ def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
         help="with --gradient-checkpointing, recompute core attention in backward (plain Transformers "
         "checkpointing, for comparison); default: keep each layer's attention output (rematerialization-aware)",
     )
+    p.add_argument(
+        "--offload-activations",
+        action="store_true",
+        help="with --gradient-checkpointing, keep each decoder layer's checkpointed input in host memory (copied "
+        "on a side stream, brought back a layer ahead in backward; hf_distca.OffloadOptions(inputs=True))",
+    )
+    p.add_argument(
+        "--kept-attention",
+        default="gpu",
+        help="with rematerialization-aware --gradient-checkpointing (--attn distca or local): where each layer keeps "
+        "its attention output until backward: gpu (default), host, drop (recomputed in backward), auto (chosen "
+        "at the first step from free GPU and host memory), or one of gpu/host/drop per layer, comma-separated",
+    )
+    p.add_argument(
+        "--tiled-mlp",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="run each decoder layer's MLP over tiles of TOKENS tokens (0: the model's hidden size), keeping only "
+        "its input for backward (hf_distca.tile_mlp)",
+    )
     p.add_argument("--bf16", action="store_true")
     p.add_argument(
         "--torch-compile",
@@ -462,6 +483,8 @@ def prepare(args, training_args):
     if args.gradient_checkpointing:
         model.config.use_cache = False
 
+    kept = args.kept_attention.split(",") if "," in args.kept_attention else args.kept_attention
+    offload = hf_distca.OffloadOptions(inputs=args.offload_activations, kept_attention=kept)
     callback = hf_distca.DistCACallback(
         args.tokens_per_rank,
         config=config_from_args(args),
@@ -470,6 +493,8 @@ def prepare(args, training_args):
         recompute_attention=args.recompute_attention,
         # distca: the callback's default, cost-balanced and node-aware when the config names nodes
         layout=None if args.layout == "distca" else LAYOUTS[args.layout],
+        offload=offload if offload.active else None,
+        tiled_mlp=args.tiled_mlp,
     )
     return tokenizer, documents, model, callback
 
@@ -497,6 +522,7 @@ def finish(args, trainer, callback, tokenizer) -> dict:
         # the engine the Trainer trained: DistributedDataParallel, DeepSpeedEngine, an FSDP2 model class, ...
         wrapped=type(trainer.model_wrapped).__name__,
         peak_memory_gib=peak_memory_gib(training_args.world_size),
+        memory=callback.memory_report,
     )
     if not args.no_save:
         trainer.save_model(os.path.join(args.output_dir, "model"))

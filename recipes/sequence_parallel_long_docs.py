@@ -87,6 +87,13 @@ def parse_args(argv=None):
         p.error(f"--attn {args.attn} is not a core attention for Ulysses")
     if args.deepspeed:
         p.error("--deepspeed: this recipe sets its own DeepSpeed config (ZERO3)")
+    memory = {"--offload-activations": args.offload_activations, "--kept-attention": args.kept_attention != "gpu",
+              "--tiled-mlp": args.tiled_mlp is not None}  # fmt: skip
+    if any(memory.values()):
+        p.error(
+            f"{', '.join(k for k, v in memory.items() if v)}: DistCACallback's memory options; this recipe trains "
+            "without it. Use recipes/finetune_long_docs.py (or sft_trl.py) for them"
+        )
     return args
 
 

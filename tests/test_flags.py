@@ -91,3 +91,69 @@ def test_local_attention_runs_the_callbacks_config(tmp_path):
 def test_a_backend_that_cannot_run_is_refused_before_training_in_local_mode(tmp_path, backend):
     with pytest.raises(UnsupportedFeatureError, match=f"kernel backend '{backend}' cannot run here"):
         _trainer(tmp_path, "local", backend=backend)
+
+
+# ------------------------------------------------------------------ memory options (DistCACallback's)
+# --offload-activations, --kept-attention, --tiled-mlp of the recipes: callback argument, and what must be true
+# of DistCACallback.memory_report after a step where it takes effect
+MEMORY_FLAGS = {
+    "offload_activations": (
+        {"offload": hf_distca.OffloadOptions(inputs=True, min_bytes=0)},
+        lambda r: r["offloaded_tensors"] > 0,
+    ),
+    "kept_attention_host": (
+        {"offload": hf_distca.OffloadOptions(kept_attention="host", min_bytes=0)},
+        lambda r: r["kept_attention_host_layers"] == 2 and r["offloaded_tensors"] > 0,
+    ),
+    "kept_attention_drop": (
+        {"offload": hf_distca.OffloadOptions(kept_attention="drop")},
+        lambda r: r["kept_attention_drop_layers"] == 2,
+    ),
+    "kept_attention_auto": (
+        {"offload": hf_distca.OffloadOptions(kept_attention="auto")},
+        lambda r: len(r["kept_attention"]) == 2,
+    ),
+    "tiled_mlp": ({"tiled_mlp": 0}, lambda r: r["tiled_mlps"] == 2 and r["tiled_mlp_tokens"] == 32),
+}
+MEMORY_MODES = {"distca": ("distca", True), **MODES}
+
+
+def _memory_trainer(tmp_path, mode: str, checkpointing: bool, **callback_kwargs):
+    attn, disaggregate = MEMORY_MODES[mode]
+    config = hf_distca.DistCAConfig(shard_tokens=32) if disaggregate else None  # the engine's field
+    callback = hf_distca.DistCACallback(512, config=config, disaggregate=disaggregate, **callback_kwargs)
+    args = trainer_args(tmp_path, max_steps=1, activation_checkpointing=checkpointing)
+    trainer = hf_distca.DistCATrainer(
+        model=tiny_llama(attn), args=args, train_dataset=dataset(), callbacks=[callback]
+    )
+    return trainer, callback
+
+
+@pytest.mark.parametrize("mode", sorted(MEMORY_MODES))
+@pytest.mark.parametrize("name", sorted(MEMORY_FLAGS))
+def test_memory_flag_takes_effect_or_is_refused_by_name(tmp_path, mode, name):
+    kwargs, took_effect = MEMORY_FLAGS[name]
+    if name.startswith("kept_attention") and MEMORY_MODES[mode][0] != "distca":
+        with pytest.raises(ValueError, match=r"kept_attention=.*\(--kept-attention\): no effect under"):
+            _memory_trainer(tmp_path, mode, True, **kwargs)
+        return
+    trainer, callback = _memory_trainer(tmp_path, mode, True, **kwargs)
+    trainer.train()
+    assert took_effect(callback.memory_report), callback.memory_report
+
+
+@pytest.mark.parametrize("name", ["offload_activations", "kept_attention_host"])
+def test_offload_without_checkpointing_or_with_plain_recompute_is_refused(tmp_path, name):
+    kwargs, _ = MEMORY_FLAGS[name]
+    with pytest.raises(ValueError, match=r"\(--offload-activations, --kept-attention\): no effect without"):
+        _memory_trainer(tmp_path, "local", False, **kwargs)
+    if name == "kept_attention_host":
+        with pytest.raises(ValueError, match="recompute_attention / --recompute-attention"):
+            _memory_trainer(tmp_path, "local", True, recompute_attention=True, **kwargs)
+
+
+def test_memory_flags_with_torch_compile_are_refused(tmp_path):
+    callback = hf_distca.DistCACallback(512, disaggregate=False, tiled_mlp=0)
+    args = trainer_args(tmp_path, max_steps=1, torch_compile=True, torch_compile_backend="aot_eager")
+    with pytest.raises(ValueError, match=r"--tiled-mlp\).*leave out --torch-compile"):
+        hf_distca.DistCATrainer(model=tiny_llama(), args=args, train_dataset=dataset(), callbacks=[callback])

@@ -20,12 +20,18 @@ keeps the attention output (T x Hq x D, the size of the layer's input) and the l
 float32) from forward to backward, in addition to the layer input that checkpointing keeps anyway.
 
 The frames are per thread (a checkpoint's forward and its recompute run on the thread that entered it).
+Where a frame keeps its results is up to the decoder layer call around the checkpoint
+(:class:`KeptPlacement`, entered with :func:`placing_kept_attention`): on the device (the default), through
+pack/unpack functions (host memory, :mod:`hf_distca.engine.offload`), or not at all (``drop``: that
+checkpoint recomputes its attention like plain checkpointing).
 Turning it on for a Transformers model: :mod:`hf_distca.checkpointing`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,9 +42,11 @@ __all__ = [
     "CORE_FWD_OP",
     "KEPT_OPS",
     "LOCAL_FWD_OP",
+    "KeptPlacement",
     "SavedAttention",
     "TRACED_REMAT_MIN_TORCH",
     "keep_for_recompute",
+    "placing_kept_attention",
     "remat_context_fn",
     "take_saved_attention",
     "traced",
@@ -49,20 +57,55 @@ __all__ = [
 class SavedAttention:
     """One attention call's result, kept from the forward for its recompute."""
 
-    out: torch.Tensor
-    """The output (detached: the frame never holds the autograd graph)."""
-    lse: torch.Tensor
+    out: Any
+    """The output (detached: the frame never holds the autograd graph); in a frame, what its pack made of it."""
+    lse: Any
     """The log-sum-exp the backward kernel needs (in the runner's kernel row order)."""
     runner: Any
     """What the operator's backward needs to run (the engine's prepared plan, or the local offsets)."""
 
 
-class _Frame:
-    """The attention results of one checkpoint call, in call order."""
+def _same(tensor: Any) -> Any:
+    return tensor
 
-    def __init__(self) -> None:
+
+class _Frame:
+    """The attention results of one checkpoint call, in call order, each kept as ``pack`` makes it and
+    handed back through ``unpack``."""
+
+    def __init__(self, pack: Callable[[Any], Any] = _same, unpack: Callable[[Any], Any] = _same) -> None:
         self.saved: list[SavedAttention] = []
         self.cursor = 0
+        self.pack, self.unpack = pack, unpack
+
+
+@dataclass
+class KeptPlacement:
+    """Where the rematerialization frame of the checkpoint called inside one decoder layer call keeps its
+    attention results: through ``pack``/``unpack`` (None: as they are, on the device), or nowhere
+    (``drop``). ``consulted``: a frame was asked for (the layer's checkpoint is rematerialization-aware)."""
+
+    drop: bool = False
+    pack: Callable[[Any], Any] | None = None
+    unpack: Callable[[Any], Any] | None = None
+    consulted: bool = False
+
+
+def _placements() -> list[KeptPlacement]:
+    if not hasattr(_state, "placements"):
+        _state.placements = []
+    return _state.placements
+
+
+@contextlib.contextmanager
+def placing_kept_attention(placement: KeptPlacement) -> Iterator[KeptPlacement]:
+    """While active (on this thread), checkpoints that ask :func:`remat_context_fn` for a frame get one
+    that keeps their attention results as ``placement`` says."""
+    _placements().append(placement)
+    try:
+        yield placement
+    finally:
+        _placements().pop()
 
 
 _FORWARD, _RECOMPUTE = "forward", "recompute"
@@ -138,10 +181,20 @@ def remat_context_fn() -> tuple[Any, Any]:
     """``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: a fresh frame
     and its (forward, recompute) context managers. Inside torch.compile (which traces checkpoint with
     selective-checkpointing contexts only) the same effect through torch's public selective checkpointing:
-    the engine's compiled attention ops (:data:`KEPT_OPS`) are saved, never recomputed."""
+    the engine's compiled attention ops (:data:`KEPT_OPS`) are saved, never recomputed. A
+    :class:`KeptPlacement` active on this thread says where the frame keeps them (or that there is none)."""
     if traced():
+        # the placement is not read here: the hooks that enter it do not run inside a traced region, and a
+        # layer whose placement was never consulted refuses host/drop (hf_distca.offloading)
         _check_traced_remat_supported()
         return create_selective_checkpoint_contexts(_save_attention)
+    placement = _placements()[-1] if _placements() else None
+    if placement is not None:
+        placement.consulted = True
+        if placement.drop:
+            return contextlib.nullcontext(), contextlib.nullcontext()
+        frame = _Frame(placement.pack or _same, placement.unpack or _same)
+        return _FrameContext(_FORWARD, frame), _FrameContext(_RECOMPUTE, frame)
     frame = _Frame()
     return _FrameContext(_FORWARD, frame), _FrameContext(_RECOMPUTE, frame)
 
@@ -151,7 +204,8 @@ def keep_for_recompute(out: torch.Tensor, lse: torch.Tensor, runner: Any) -> Non
     aware checkpoint is recording (no-op otherwise)."""
     stack = _stack()
     if stack and stack[-1][0] == _FORWARD:
-        stack[-1][1].saved.append(SavedAttention(out.detach(), lse, runner))
+        frame = stack[-1][1]
+        frame.saved.append(SavedAttention(frame.pack(out.detach()), frame.pack(lse), runner))
 
 
 def take_saved_attention(rows: int) -> SavedAttention | None:
@@ -167,8 +221,10 @@ def take_saved_attention(rows: int) -> SavedAttention | None:
             f"the forward called it {len(frame.saved)} times; the checkpointed function must be deterministic. "
             "Use plain recompute (DistCACallback(recompute_attention=True) / no context_fn) for this model"
         )
-    saved = frame.saved[frame.cursor]
+    kept = frame.saved[frame.cursor]
     frame.cursor += 1
+    # unpack copies back each time: a second backward over a retained graph gets them again
+    saved = SavedAttention(frame.unpack(kept.out), frame.unpack(kept.lse), kept.runner)
     if saved.out.shape[0] != rows:
         raise RuntimeError(
             f"rematerialization-aware checkpointing: the recompute's attention call has {rows} query rows but the "

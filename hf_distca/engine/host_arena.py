@@ -1,0 +1,143 @@
+"""A host-memory arena for offloaded activations: chunks allocated once, carved into exact-size views.
+
+torch's pinned-memory allocator rounds every request up to a power of two, so pinning each offloaded
+tensor on its own can cost up to twice its size in host memory. The arena instead allocates large chunks
+(``chunk_bytes`` each, or one exact chunk for a tensor larger than that) and hands out views at a bump
+pointer, aligned to ``ALIGN`` bytes, so a step's tensors cost their own bytes plus at most ``ALIGN - 1``
+each and the unused tail of a chunk they did not fit in. When no view is live any more (every offloaded
+tensor of the step was used and freed) the pointer goes back to the first chunk: the next step reuses the
+same memory. It grows (a new chunk) only when a step needs more than the chunks hold, and says how much
+it holds (:meth:`HostArena.report`).
+
+On a CUDA machine the chunks are page-locked with ``cudaHostRegister`` (torch.cuda.cudart()), exactly
+their size, so device<->host copies can run asynchronously; elsewhere (the CPU tests) they are plain host
+memory and the same code runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["ALIGN", "HostArena"]
+
+ALIGN = 64
+"""Every view starts at a multiple of this many bytes (any dtype's element size divides it)."""
+
+
+class _Chunk:
+    def __init__(self, nbytes: int, pin: bool) -> None:
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8)  # (nbytes,) plain host memory, exact size
+        self.pinned = False
+        if pin:
+            rc = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), nbytes, 0)
+            if int(rc) != 0:
+                raise RuntimeError(f"cudaHostRegister of a {nbytes}-byte host chunk failed (error {int(rc)})")
+            self.pinned = True
+        self.used = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel()
+
+    def release(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+            self.pinned = False
+
+
+class HostArena:
+    """Exact-size host views for offloaded tensors, out of chunks reused step after step.
+
+    ``take`` returns a view and counts it live until ``give_back``; when the count reaches zero the arena
+    resets (every chunk empty again, nothing freed). ``pin``: page-lock the chunks (needs CUDA)."""
+
+    def __init__(self, chunk_bytes: int = 1 << 30, *, pin: bool = False) -> None:
+        if not isinstance(chunk_bytes, int) or chunk_bytes < ALIGN:
+            raise ValueError(f"HostArena chunk_bytes must be an int >= {ALIGN}, got {chunk_bytes!r}")
+        if pin and not torch.cuda.is_available():
+            raise ValueError(
+                "HostArena(pin=True) page-locks host memory for CUDA copies: no CUDA device here"
+            )
+        self.chunk_bytes = chunk_bytes
+        self.pin = pin
+        self._chunks: list[_Chunk] = []
+        self._current = 0  # chunks before it are full for this step, chunks after it are empty
+        self.live = 0
+        self.used_bytes = 0  # bytes handed out since the last reset (alignment included)
+        self.peak_bytes = 0
+        self.resets = 0
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Host bytes the arena holds (every chunk)."""
+        return sum(c.nbytes for c in self._chunks)
+
+    @property
+    def chunk_sizes(self) -> list[int]:
+        return [c.nbytes for c in self._chunks]
+
+    def take(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor of ``shape`` and ``dtype`` (uninitialized), a view into a chunk; live until
+        :meth:`give_back`."""
+        numel = 1
+        for n in shape:
+            numel *= int(n)
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        chunk, start = self._place(nbytes)
+        chunk.used = start + nbytes
+        self.live += 1
+        self.used_bytes = sum(c.used for c in self._chunks)  # chunks past the current one are empty
+        self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+        flat = chunk.buffer[start : start + nbytes]  # (nbytes,) uint8
+        return flat.view(dtype).view(shape)
+
+    def _place(self, nbytes: int) -> tuple[_Chunk, int]:
+        """The chunk and byte offset of the next view: the current chunk if it fits, else the first later
+        (empty) chunk large enough, else a new chunk of max(chunk_bytes, nbytes)."""
+        if self._chunks:
+            chunk = self._chunks[self._current]
+            start = -(-chunk.used // ALIGN) * ALIGN  # the next multiple of ALIGN
+            if start + nbytes <= chunk.nbytes:
+                return chunk, start
+        later = range(self._current + 1 if self._chunks else 0, len(self._chunks))
+        for index in later:
+            if self._chunks[index].nbytes >= nbytes:
+                self._current = index
+                return self._chunks[index], 0
+        self._chunks.append(_Chunk(max(self.chunk_bytes, nbytes), self.pin))
+        self._current = len(self._chunks) - 1
+        return self._chunks[-1], 0
+
+    def give_back(self) -> None:
+        """One view of :meth:`take` is no longer used; the last one resets the arena."""
+        if self.live <= 0:
+            raise RuntimeError("HostArena.give_back without a live view (a view was given back twice)")
+        self.live -= 1
+        if self.live == 0:
+            self.reset()
+
+    def reset(self) -> None:
+        """Every chunk empty again (only with no live view: a live view's bytes would be handed out twice)."""
+        if self.live:
+            raise RuntimeError(f"HostArena.reset with {self.live} live view(s): their memory would be reused")
+        for chunk in self._chunks:
+            chunk.used = 0
+        self._current = 0
+        self.used_bytes = 0
+        self.resets += 1
+
+    def clear(self) -> None:
+        """Free every chunk (no live view allowed)."""
+        self.reset()
+        for chunk in self._chunks:
+            chunk.release()
+        self._chunks = []
+
+    def report(self) -> dict[str, float | int | bool]:
+        """What the arena holds: capacity and peak use in GiB, chunks, whether page-locked."""
+        return {
+            "host_arena_gib": self.capacity_bytes / 2**30,
+            "host_arena_peak_gib": self.peak_bytes / 2**30,
+            "host_arena_chunks": len(self._chunks),
+            "host_arena_pinned": self.pin,
+        }

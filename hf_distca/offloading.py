@@ -1,0 +1,303 @@
+"""Activation offload for a checkpointed Transformers model: what checkpointing keeps, in host memory.
+
+With activation checkpointing each decoder layer keeps its input from forward to backward, and
+rematerialization-aware checkpointing (:mod:`hf_distca.checkpointing`) also its attention output and
+log-sum-exp. :func:`offload_activations` moves them off the device, through public interfaces only:
+
+- a forward pre-hook and a forward hook (``always_call=True``) on every decoder layer. Transformers (>= 5.25)
+  checkpoints a layer's ``forward``, not its ``__call__``, so the hooks run outside the checkpoint, and
+  torch's non-reentrant checkpoint saves the checkpointed function's tensor inputs under whatever
+  ``saved_tensors_hooks`` are active there: the hooks make them the :class:`~hf_distca.engine.offload.Offloader`'s
+  (side-stream copies into the host arena, brought back a layer ahead). Inside the checkpoint torch's own
+  hooks take over, so nothing else of the layer is offloaded. A layer that does not checkpoint (e.g.
+  ``every_n_layers``) is left alone.
+- the same hooks tell the layer's rematerialization frame where to keep the attention results
+  (:class:`~hf_distca.engine.remat.KeptPlacement`): per layer ``"gpu"``, ``"host"`` or ``"drop"``
+  (:mod:`hf_distca.kept_attention`).
+
+Turn checkpointing on first (``hf_distca.enable_remat_checkpointing``, or Transformers' own, non-reentrant),
+then call :func:`offload_activations`; :class:`hf_distca.DistCACallback` does both with ``offload=``.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+
+from hf_distca import kept_attention as kept
+from hf_distca.checkpointing import checkpointing_enabled
+from hf_distca.engine.host_arena import HostArena
+from hf_distca.engine.offload import Offloader
+from hf_distca.engine.remat import KeptPlacement, placing_kept_attention
+
+__all__ = [
+    "OFFLOAD_ATTR",
+    "ActivationOffload",
+    "OffloadOptions",
+    "check_offload_applies",
+    "decoder_layers",
+    "offload_activations",
+    "resolve_over_ranks",
+]
+
+OFFLOAD_ATTR = "distca_offload"
+"""The attribute of a model that holds its :class:`ActivationOffload` (its one owner)."""
+
+
+@dataclass(frozen=True)
+class OffloadOptions:
+    """What :func:`offload_activations` moves off the device, and how."""
+
+    inputs: bool = False
+    """Keep each checkpointed decoder layer's input in host memory (copied on a side stream, brought back a
+    layer ahead in backward)."""
+    kept_attention: str | tuple[str, ...] = "gpu"
+    """Where rematerialization-aware checkpointing keeps each layer's attention output and log-sum-exp:
+    "gpu", "host", "drop" (recomputed in backward), one per layer, or "auto" (chosen at the first step,
+    :func:`hf_distca.kept_attention.choose_kept_attention`)."""
+    min_bytes: int = 1 << 20
+    """Tensors smaller than this stay where they are."""
+    chunk_bytes: int = 1 << 30
+    """Size of the host arena's chunks (a larger tensor gets a chunk of its own size)."""
+    device_fraction: float = 0.5
+    """``kept_attention="auto"``: the share of free device memory the kept outputs may take."""
+    host_fraction: float = 0.8
+    """``kept_attention="auto"``: the share of available host memory offloaded tensors may take."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.inputs, bool):
+            raise ValueError(f"OffloadOptions.inputs must be True or False, got {self.inputs!r}")
+        if not isinstance(self.kept_attention, str):
+            object.__setattr__(self, "kept_attention", tuple(self.kept_attention))  # frozen: hashable
+        layers = 1 if isinstance(self.kept_attention, str) else len(self.kept_attention)
+        kept.per_layer(self.kept_attention, layers)
+        for name in ("device_fraction", "host_fraction"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and 0.0 < value <= 1.0):
+                raise ValueError(f"OffloadOptions.{name} must be in (0, 1], got {value!r}")
+        if not isinstance(self.min_bytes, int) or self.min_bytes < 0:
+            raise ValueError(f"OffloadOptions.min_bytes must be an int >= 0, got {self.min_bytes!r}")
+
+    @property
+    def active(self) -> bool:
+        """Whether these options change anything (else nothing needs installing)."""
+        return self.inputs or self.kept_attention != "gpu"
+
+    @property
+    def needs_remat(self) -> bool:
+        """Whether they act on kept attention outputs (rematerialization-aware checkpointing only)."""
+        return self.kept_attention != "gpu" and (
+            isinstance(self.kept_attention, str) or any(c != "gpu" for c in self.kept_attention)
+        )
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's decoder layers in order: its Transformers ``GradientCheckpointingLayer`` modules."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+class ActivationOffload:
+    """The offload installed on one model: hooks, offloader, host arena and the kept-attention policy."""
+
+    def __init__(self, model: torch.nn.Module, options: OffloadOptions) -> None:
+        self.options = options
+        self.layers = decoder_layers(model)
+        if not self.layers:
+            raise ValueError(
+                f"offload_activations: {type(model).__name__} has no Transformers decoder layers "
+                "(GradientCheckpointingLayer modules) to offload around"
+            )
+        self.policy = kept.per_layer(options.kept_attention, len(self.layers))
+        config = getattr(model, "config", None)
+        self._heads = getattr(config, "num_attention_heads", None)
+        self._hidden = getattr(config, "hidden_size", 0) or 0
+        self._head_dim = getattr(config, "head_dim", None) or self._hidden // max(self._heads or 1, 1)
+        on_cuda = any(p.is_cuda for p in model.parameters())
+        self.offloader = Offloader(HostArena(options.chunk_bytes, pin=on_cuda), min_bytes=options.min_bytes)
+        self.choice: dict[str, Any] = {}
+        self._local = threading.local()  # the layer calls entered on this thread (nano-batch threads)
+        self._handles = []
+        for index, layer in enumerate(self.layers):
+            self._handles.append(layer.register_forward_pre_hook(self._enter_hook(index)))
+            self._handles.append(layer.register_forward_hook(self._exit_hook(index), always_call=True))
+
+    # -------------------------------------------------------------------------------- the policy
+    def resolve(
+        self, tokens: int, dtype: torch.dtype, *, free_device: int | None, free_host: int
+    ) -> list[str]:
+        """Choose ``kept_attention="auto"``'s per-layer policy for micro-batches of ``tokens`` rows per rank
+        from the free memory given (the same figures on every rank: the callback takes the least over the
+        ranks); a fixed policy is kept. Returns the policy."""
+        if self.policy is None:
+            kept_bytes = kept.kept_attention_bytes(tokens, self._heads or 0, self._head_dim, dtype)
+            inputs = len(self.layers) * tokens * self._hidden * torch.empty((), dtype=dtype).element_size()
+            self.policy = kept.choose_kept_attention(
+                len(self.layers), kept_bytes, free_device=free_device, free_host=free_host,
+                inputs_on_device=0 if self.options.inputs else inputs,
+                inputs_on_host=inputs if self.options.inputs else 0,
+                device_fraction=self.options.device_fraction, host_fraction=self.options.host_fraction,
+            )  # fmt: skip
+            self.choice = {
+                "kept_attention_free_device_gib": None if free_device is None else free_device / 2**30,
+                "kept_attention_free_host_gib": free_host / 2**30,
+                "kept_attention_layer_gib": kept_bytes / 2**30,
+            }
+        return self.policy
+
+    def _resolve_at_first_call(self, hidden_states: torch.Tensor) -> None:
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        if world > 1:
+            raise RuntimeError(
+                "offload_activations(kept_attention='auto') on several ranks: every rank must keep the same "
+                "layers' outputs, so the choice is made before the first step from the least free memory over "
+                "the ranks: call ActivationOffload.resolve(...) first (DistCACallback does), or give a fixed "
+                "kept_attention ('gpu', 'host', 'drop' or one per layer)"
+            )
+        tokens = hidden_states.numel() // hidden_states.shape[-1]
+        self.resolve(
+            tokens, hidden_states.dtype,
+            free_device=kept.free_device_bytes(hidden_states.device), free_host=kept.free_host_bytes(),
+        )  # fmt: skip
+
+    # --------------------------------------------------------------------------------- the hooks
+    def _calls(self) -> list:
+        if not hasattr(self._local, "calls"):
+            self._local.calls = []
+        return self._local.calls
+
+    def _enter_hook(self, index: int):
+        def enter(layer: torch.nn.Module, args: tuple) -> None:
+            if not (layer.gradient_checkpointing and layer.training and torch.is_grad_enabled()):
+                self._calls().append(None)  # this call keeps its activations itself: nothing to place
+                return
+            if self.policy is None:
+                self._resolve_at_first_call(args[0] if args else None)
+            group = self.offloader.begin_group()
+            pack = self.offloader.packer(group)
+            choice = self.policy[index]
+            placement = KeptPlacement(
+                drop=choice == "drop",
+                pack=pack if choice == "host" else None,
+                unpack=self.offloader.unpack if choice == "host" else None,
+            )
+            contexts = [placing_kept_attention(placement)]
+            if self.options.inputs:
+                contexts.append(saved_tensors_hooks(pack, self.offloader.unpack))
+            for context in contexts:
+                context.__enter__()
+            self._calls().append((choice, placement, contexts))
+
+        return enter
+
+    def _exit_hook(self, index: int):
+        def exit_(layer: torch.nn.Module, args: tuple, output: Any) -> None:
+            call = self._calls().pop()
+            if call is None:
+                return
+            choice, placement, contexts = call
+            for context in reversed(contexts):
+                context.__exit__(None, None, None)
+            if choice != "gpu" and not placement.consulted:
+                raise RuntimeError(
+                    f"kept_attention={choice!r} for decoder layer {index}, but its checkpoint is not "
+                    "rematerialization-aware (plain recompute, use_reentrant=True, or a context_fn of your own), "
+                    "so there is no attention output to place. Turn it on with hf_distca.enable_remat_checkpointing"
+                    " (DistCACallback: leave recompute_attention off), or use kept_attention='gpu'"
+                )
+
+        return exit_
+
+    # ------------------------------------------------------------------------------------ report
+    def report(self) -> dict[str, Any]:
+        """The policy chosen (per layer and counted), what was offloaded, and the host arena's size."""
+        out: dict[str, Any] = {"offload_inputs": self.options.inputs}
+        if self.policy is not None:
+            out["kept_attention"] = list(self.policy)
+            out.update(kept.describe(self.policy))
+        out.update(self.choice)
+        out.update(self.offloader.report())
+        return out
+
+    def remove(self) -> None:
+        """Take the hooks off the model (what is offloaded now comes back when backward needs it)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def offload_activations(
+    model: torch.nn.Module, options: OffloadOptions | None = None, **fields: Any
+) -> ActivationOffload:
+    """Keep what the model's activation checkpointing keeps off the device, as ``options`` (or the
+    :class:`OffloadOptions` ``fields``) say. Checkpointing must be on (non-reentrant; for ``kept_attention``
+    other than "gpu" rematerialization-aware: :func:`hf_distca.enable_remat_checkpointing`). Replaces an
+    earlier call's offload on the same model. Returns the installed :class:`ActivationOffload` (also
+    ``getattr(model, OFFLOAD_ATTR)``): its ``report()`` says what was chosen and moved."""
+    if options is not None and fields:
+        raise ValueError("offload_activations: pass OffloadOptions or its fields, not both")
+    options = options or OffloadOptions(**fields)
+    if not checkpointing_enabled(model):
+        raise ValueError(
+            "offload_activations moves what activation checkpointing keeps, and checkpointing is off: turn it on "
+            "first (hf_distca.enable_remat_checkpointing(model), or --gradient-checkpointing in the recipes)"
+        )
+    previous = getattr(model, OFFLOAD_ATTR, None)
+    if previous is not None:
+        previous.remove()
+    offload = ActivationOffload(model, options)
+    setattr(model, OFFLOAD_ATTR, offload)
+    return offload
+
+
+def check_offload_applies(
+    options: OffloadOptions | None, *, attn_implementation: str | None, checkpointing: bool, remat: bool
+) -> None:
+    """Refuse offload options a Trainer run would not honour (every rank alike, before training): any of
+    them without activation checkpointing, and a kept-attention placement other than "gpu" where no
+    attention output is kept (attention other than ``distca``, or checkpointing that recomputes it:
+    ``recompute_attention``/``--recompute-attention`` or ``use_reentrant=True``)."""
+    if options is None or not options.active:
+        return
+    if not checkpointing:
+        raise ValueError(
+            f"OffloadOptions(inputs={options.inputs!r}, kept_attention={options.kept_attention!r}) "
+            "(--offload-activations, --kept-attention): no effect without activation checkpointing, which is what "
+            "they move off the device; add --gradient-checkpointing (TrainingArguments(activation_checkpointing="
+            "True)) or leave them out"
+        )
+    if options.needs_remat and (attn_implementation != "distca" or not remat):
+        where = (
+            f"attn_implementation={attn_implementation!r}"
+            if attn_implementation != "distca"
+            else "checkpointing that recomputes attention (recompute_attention / --recompute-attention, or "
+            "use_reentrant=True)"
+        )
+        raise ValueError(
+            f"kept_attention={options.kept_attention!r} (--kept-attention): no effect under {where}, which keeps no "
+            "attention output; only rematerialization-aware checkpointing of distca attention does (--attn distca "
+            "or local, without --recompute-attention). Leave it at 'gpu'"
+        )
+
+
+def resolve_over_ranks(
+    offload: ActivationOffload, tokens: int, dtype: torch.dtype, device: torch.device, group: Any = None
+) -> list[str]:
+    """Choose ``kept_attention="auto"`` before the first step from the least free device and host memory
+    over the ranks of ``group`` (one all-gather; every rank gets the same policy)."""
+    from hf_distca.comm import all_gather_rows
+
+    free_device = kept.free_device_bytes(device)
+    rows = all_gather_rows([-1 if free_device is None else free_device, kept.free_host_bytes()], group)
+    least_device = min(r[0] for r in rows)
+    return offload.resolve(
+        tokens,
+        dtype,
+        free_device=None if least_device < 0 else least_device,
+        free_host=min(r[1] for r in rows),
+    )
