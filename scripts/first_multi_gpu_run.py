@@ -141,7 +141,6 @@ def plan_runs(args: argparse.Namespace, gpus: int) -> list[Run]:
         **NO_MULTICAST,
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
         "TORCH_FR_BUFFER_SIZE": str(args.fr_buffer),
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": str(args.fr_buffer),  # its name before PyTorch 2.6
         "OMP_NUM_THREADS": "1" if cpu else os.environ.get("OMP_NUM_THREADS", "4"),
         "TOKENIZERS_PARALLELISM": "false",
         "HF_HUB_DISABLE_TELEMETRY": "1",
@@ -149,8 +148,12 @@ def plan_runs(args: argparse.Namespace, gpus: int) -> list[Run]:
     python = sys.executable
     runs = []
 
+    def folder(name: str) -> str:
+        """The run's folder: its logs and, for a recipe run, its --output-dir."""
+        return os.path.join(out, name.replace(":", "_"))
+
     def add(name: str, argv: list[str], extra_env: dict | None = None, skip: str | None = None, **kw) -> None:
-        logs = os.path.join(out, name)
+        logs = folder(name)
         env = {**base_env, "TORCH_FR_DUMP_TEMP_FILE": os.path.join(logs, "flight_recorder_rank_"),
                "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": os.path.join(logs, "flight_recorder_rank_"), **(extra_env or {})}  # fmt: skip
         runs.append(Run(name, argv, env, logs, timeout, skip, **kw))
@@ -173,7 +176,7 @@ def plan_runs(args: argparse.Namespace, gpus: int) -> list[Run]:
             skip = CPU_SKIPS.get(parallelism) if cpu else None
             if flags is None:
                 skip = "the relay needs two nodes of 2 ranks or more (an even number of ranks, 4 or more)"
-            output_dir = os.path.join(out, name.replace(":", "_"))
+            output_dir = folder(name)
             recipe_args = [
                 *recipe_common,
                 "--max-steps",
@@ -184,7 +187,7 @@ def plan_runs(args: argparse.Namespace, gpus: int) -> list[Run]:
             config = (cpu_config if cpu else None) or gpu_config
             add(name, _launch(python, config, n, output_dir, recipe_args), skip=skip, output_dir=output_dir)
     ddp = PARALLELISMS["ddp"][1 if cpu else 0]
-    detail_dir = os.path.join(out, "ddp_ping_pong_debug_detail")
+    detail_dir = folder("ddp:ping_pong:debug_detail")
     detail_args = [
         *recipe_common,
         "--max-steps",

@@ -17,7 +17,9 @@ behaves as ProcessGroupNCCL's does, only more so:
   ``record_stream``.
 
 So a consumer that reads a received buffer on a stream that was not made to wait reads NaN (or rows that
-land later); a send buffer overwritten or freed before the exchange's late read sends garbage. Every rank
+land later); a send buffer overwritten or freed before the exchange's late read sends garbage. One thing
+NCCL does is not reproduced: at ``wait()`` the host waits for the late read (gloo needs the bytes on the
+host), so a send buffer reused by another stream after ``wait()`` (the review's relay risk) is not exposed. Every rank
 issues and waits in the same order (the engine's schedules are deterministic), which is what gloo needs to
 pair the host-side exchanges that run at ``wait()``.
 

@@ -62,6 +62,9 @@ def test_gpu_runs():
         if name == "engine_check":
             assert (args.backend, args.cpu, args.timeout, args.ranks_per_node) == ("nccl", False, 180, 4)
             continue
+        assert (
+            run.output_dir == run.logs == os.path.join(os.path.abspath("somewhere"), name.replace(":", "_"))
+        )
         config = run.argv[run.argv.index("--config_file") + 1]
         assert (
             os.path.exists(os.path.join(ROOT, config))
