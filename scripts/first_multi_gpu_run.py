@@ -11,7 +11,7 @@ recipe's ``--ddp-timeout``, the check's ``--timeout``), NCCL's flight recorder (
 folder) and NVLink multicast off (``NCCL_NVLS_ENABLE=0`` and its PyTorch and NVSHMEM counterparts). The
 relay runs treat the N ranks as two nodes of N/2 (``--ranks-per-node``; 4 ranks or more, even). Without a GPU (or with ``--cpu``)
 every run uses gloo on CPU processes; FSDP2 is then skipped (Accelerate enables FSDP only on accelerators)
-and ZeRO-3 runs through ``--deepspeed``. ``<out>/results.md``: one row per run (exit status, seconds,
+and ZeRO-3 runs through ``--deepspeed`` with the recipe's optimizer. ``<out>/results.md``: one row per run (exit status, seconds,
 final loss, its log folder); the exit status is 0 only when every run that was not skipped passed.
 """
 
@@ -35,13 +35,16 @@ RECIPE = "recipes/finetune_long_docs.py"
 ENGINE_CHECK = "tests/gpu_nccl_engine_check.py"
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 """NVLink multicast off in NCCL, PyTorch's symmetric memory and NVSHMEM."""
+CPU_ZERO3 = "ds_zero3_cpu.json"
+"""ZeRO-3 on the CPU: accelerate_configs/ds_zero3.json without its optimizer (DeepSpeed then steps the
+recipe's torch optimizer, as tests/test_parallelisms.py runs it), written into the output folder."""
 PARALLELISMS = {  # name: (accelerate config on GPUs, on the CPU; extra recipe arguments on the CPU)
     "ddp": ("accelerate_configs/ddp_1node.yaml", "accelerate_configs/cpu_2proc.yaml", []),
     "fsdp2": ("accelerate_configs/fsdp2_1node.yaml", None, []),
     "zero3": (
         "accelerate_configs/deepspeed_zero3.yaml",
         "accelerate_configs/cpu_2proc.yaml",
-        ["--deepspeed", "accelerate_configs/ds_zero3.json"],
+        ["--deepspeed", CPU_ZERO3],
     ),
 }
 CPU_SKIPS = {"fsdp2": "FSDP needs GPUs (Accelerate enables it only on accelerators)"}
@@ -143,6 +146,9 @@ def plan_runs(args: argparse.Namespace, gpus: int) -> list[Run]:
         "TORCH_FR_BUFFER_SIZE": str(args.fr_buffer),
         "OMP_NUM_THREADS": "1" if cpu else os.environ.get("OMP_NUM_THREADS", "4"),
         "TOKENIZERS_PARALLELISM": "false",
+        # DeepSpeed's JIT-built ops (on the CPU its shared-memory comm op) in this run's folder: a run killed
+        # while building leaves a lock that would stall every later build in a shared cache
+        "TORCH_EXTENSIONS_DIR": os.path.join(out, "torch_extensions"),
         "HF_HUB_DISABLE_TELEMETRY": "1",
     }
     python = sys.executable
@@ -181,7 +187,7 @@ def plan_runs(args: argparse.Namespace, gpus: int) -> list[Run]:
                 *recipe_common,
                 "--max-steps",
                 str(steps),
-                *(cpu_extra if cpu else []),
+                *([os.path.join(out, a) if a == CPU_ZERO3 else a for a in cpu_extra] if cpu else []),
                 *(flags or []),
             ]
             config = (cpu_config if cpu else None) or gpu_config
@@ -253,6 +259,18 @@ def execute(run: Run) -> Result:
     return Result(run, code, time.monotonic() - start, final_loss(run.output_dir))
 
 
+def write_cpu_zero3_config(out: str) -> str:
+    """``<out>/ds_zero3_cpu.json`` (see CPU_ZERO3); returns its path."""
+    with open(os.path.join(ROOT, "accelerate_configs", "ds_zero3.json")) as f:
+        config = json.load(f)
+    del config["optimizer"]
+    config["zero_allow_untested_optimizer"] = True  # a torch optimizer on ZeRO's flat fp32 partitions
+    path = os.path.join(out, CPU_ZERO3)
+    with open(path, "w") as f:
+        json.dump(config, f, indent=1)
+    return path
+
+
 def _kill_tree(pid: int) -> None:
     """Kill ``pid``'s process group and every process descending from it."""
     import psutil  # Accelerate's dependency
@@ -310,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{run.name}:{state}\n  {shlex.join(run.argv)}")
         return 0
     os.makedirs(args.out, exist_ok=True)
+    if cpu:
+        write_cpu_zero3_config(os.path.abspath(args.out))
     path = os.path.join(args.out, "results.md")
     header = {
         "command": "bash scripts/first_multi_gpu_run.sh "

@@ -58,6 +58,9 @@ def test_gpu_runs():
             run.logs
         )
         assert ("TORCH_DISTRIBUTED_DEBUG" in run.env) == name.endswith("debug_detail"), name
+        assert run.env["TORCH_EXTENSIONS_DIR"] == os.path.join(
+            os.path.abspath("somewhere"), "torch_extensions"
+        )
         args = _parsed(run)
         if name == "engine_check":
             assert (args.backend, args.cpu, args.timeout, args.ranks_per_node) == ("nccl", False, 180, 4)
@@ -94,7 +97,21 @@ def test_cpu_runs():
             args = _parsed(run)
             assert args.cpu and args.ddp_timeout == 60 and args.max_steps == (1 if "detail" in name else 3)
             assert (args.deepspeed is not None) == name.startswith("zero3"), name
+            assert args.deepspeed in (
+                None,
+                os.path.join(os.path.abspath(fmg.parse_args(["4"]).out), fmg.CPU_ZERO3),
+            )
             assert "cpu_2proc" in run.argv[run.argv.index("--config_file") + 1]
+
+
+def test_cpu_zero3_config(tmp_path):
+    """The CPU's ZeRO-3 config: the repository's without its optimizer section."""
+    with open(os.path.join(ROOT, "accelerate_configs", "ds_zero3.json")) as f:
+        repo = json.load(f)
+    with open(fmg.write_cpu_zero3_config(str(tmp_path))) as f:
+        written = json.load(f)
+    assert "optimizer" in repo and "optimizer" not in written and written["zero_allow_untested_optimizer"]
+    assert written["zero_optimization"] == repo["zero_optimization"]
 
 
 def test_refusals_and_selection(capsys):
