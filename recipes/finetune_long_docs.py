@@ -131,6 +131,13 @@ def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
     p.add_argument("--learning-rate", type=float, default=3e-3)
     p.add_argument("--optim", default="adamw_torch", help="TrainingArguments.optim (e.g. adamw_torch, sgd)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--ddp-timeout",
+        type=int,
+        default=1800,
+        help="seconds a collective of the process group (the engine's group under DDP, FSDP and ZeRO-3) may "
+        "wait before the run fails (TrainingArguments.ddp_timeout; default 1800)",
+    )
     p.add_argument("--output-dir", default="outputs/finetune_long_docs")
     p.add_argument("--attn", choices=sorted(ATTN), default="distca")
     p.add_argument(
@@ -453,6 +460,7 @@ def training_kwargs(args) -> dict:
         **{_CHECKPOINTING_ARG: args.gradient_checkpointing},
         remove_unused_columns=False,
         ddp_find_unused_parameters=False,
+        ddp_timeout=args.ddp_timeout,
         dataloader_num_workers=0,
         deepspeed=args.deepspeed,
         disable_tqdm=False,

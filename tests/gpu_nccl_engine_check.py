@@ -20,6 +20,7 @@ with a single GPU, not NCCL's.
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import sys
 
@@ -89,7 +90,8 @@ def check(layout: Layout, shard: int, inputs: tuple, ref: tuple, schedule: tuple
     return failures
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The check's command line (scripts/first_multi_gpu_run.py's test parses its commands with it)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", choices=("nccl", "gloo"), default="nccl", help="process group backend")
     p.add_argument("--one-gpu", action="store_true", help="every rank on GPU 0 (gloo only)")
@@ -100,11 +102,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--repeat", type=int, default=3, help="runs of every case and schedule (races are rare)")
     p.add_argument(
+        "--timeout",
+        type=int,
+        default=600,
+        help="seconds a collective may wait before the run fails (default 600)",
+    )
+    p.add_argument(
         "--ranks-per-node",
         type=int,
         default=None,
         help="also check the KV relay with nodes of this many ranks",
     )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     if args.one_gpu and args.cpu:
         p.error("--one-gpu and --cpu exclude each other")
@@ -117,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         DEVICE = torch.device("cuda", 0 if args.one_gpu else int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(DEVICE)
     if not dist.is_initialized():
-        dist.init_process_group(args.backend)
+        dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout))
     world = dist.get_world_size()
     schedules = list(SCHEDULES)
     relay = {"kv_relay": True, "ranks_per_node": args.ranks_per_node}

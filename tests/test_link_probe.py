@@ -95,3 +95,28 @@ def test_probe_peers():
     assert link_probe.peers(1, 4, 2) == [2, 3]  # the other node
     assert link_probe.peers(3, 4, 4) == [0, 1, 2]  # one node: every other rank
     assert DistCAConfig(measure_link=True).link_gib_per_s is None
+
+
+def test_probe_splits_match_pairwise_with_nodes_of_unequal_size():
+    """12 ranks in nodes of 8 and 4: rank 0 spreads its bytes over the 4 ranks of the other node, rank 8
+    over 8; each rank expects from every peer what that peer sends it (the replay at 12 ranks in
+    tests/test_collective_replay.py checks the same from the recorded calls)."""
+    world, per_node = 12, 8
+    splits = [link_probe.probe_splits(r, world, per_node) for r in range(world)]
+    for a in range(world):
+        for b in range(world):
+            assert splits[a][0][b] == splits[b][1][a], (a, b)
+    assert splits[0][0][8] == link_probe.PROBE_BYTES // 4 and splits[8][0][0] == link_probe.PROBE_BYTES // 8
+    assert all(sum(send) == link_probe.PROBE_BYTES for send, _ in splits)
+
+
+def _probe_worker(rank: int, world: int, per_node: int) -> float:
+    return link_probe.measure_link_gib_per_s(None, torch.device("cpu"), per_node)
+
+
+def test_link_probe_on_gloo_with_nodes_of_unequal_size():
+    """3 gloo ranks in nodes of 2 and 1: rank 2 sends to both ranks of the other node, each of those only to
+    rank 2; the probe completes (with the send splits taken for the receive splits it failed) and every
+    rank gets the same figure (the slowest rank's seconds, the same bytes sent)."""
+    results = run_distributed(_probe_worker, 3, 2, timeout=60)
+    assert results[0] > 0 and results == [results[0]] * 3

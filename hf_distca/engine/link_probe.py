@@ -38,18 +38,28 @@ def peers(rank: int, world: int, ranks_per_node: int | None) -> list[int]:
     return remote or others
 
 
+def probe_splits(rank: int, world: int, ranks_per_node: int | None) -> tuple[list[int], list[int]]:
+    """Bytes ``rank`` sends to and receives from each rank in the timed all-to-all: ``PROBE_BYTES`` over
+    its own peers, and from each peer what that peer sends it (its ``PROBE_BYTES`` over the peer's own
+    peers: with nodes of unequal size the two differ, e.g. 12 ranks in nodes of 8 and 4)."""
+
+    def sent_by(r: int) -> list[int]:
+        targets = peers(r, world, ranks_per_node)
+        return [PROBE_BYTES // len(targets) if t in targets else 0 for t in range(world)]
+
+    return sent_by(rank), [sent_by(r)[rank] for r in range(world)]
+
+
 def measure_link_gib_per_s(group: Any, device: torch.device, ranks_per_node: int | None) -> float:
     """GiB/s of one rank's all-to-all to its :func:`peers`, the same on every rank (collective)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     dev = collective_device(group, device)
-    targets = peers(rank, world, ranks_per_node)
-    per_peer = PROBE_BYTES // len(targets)
-    splits = [per_peer if r in targets else 0 for r in range(world)]  # the peer relation is symmetric
-    send = torch.ones(sum(splits), dtype=torch.uint8, device=dev)
-    recv = torch.empty_like(send)
+    send_splits, recv_splits = probe_splits(rank, world, ranks_per_node)
+    send = torch.ones(sum(send_splits), dtype=torch.uint8, device=dev)
+    recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=dev)
 
     def exchange() -> None:
-        dist.all_to_all_single(recv, send, splits, splits, group=group)
+        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 
@@ -58,7 +68,7 @@ def measure_link_gib_per_s(group: Any, device: torch.device, ranks_per_node: int
     exchange()
     seconds = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=dev)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)
-    return sum(splits) / float(seconds.item()) / 2**30
+    return sum(send_splits) / float(seconds.item()) / 2**30
 
 
 def probe_link(
