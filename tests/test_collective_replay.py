@@ -78,14 +78,15 @@ def rank_steps(rank: int, world: int, ranks_per_node: int, runs: list[tuple[str,
         fields = {**BASE, **schedules(world, ranks_per_node)[name], **odd.get("config", {})}
         config = DistCAConfig(**fields)
         model = with_mode(base, "remat")
-        enable_distca(model, group=dist.group.WORLD, config=config)
         nanos = 2 if config.layer_ping_pong else 1
         loader = DistCABatches(
             docs, rank=rank, world_size=world, tokens_per_rank=TOKENS_PER_RANK, nano_batches=nanos
         )
         batch = loader.micro_batch(docs)
 
-        def step(model=model, batch=batch, n_targets=n_targets) -> None:
+        def step(model=model, config=config, batch=batch, n_targets=n_targets) -> None:
+            # enable_distca runs the link and cost probes: their collectives belong to the replayed step
+            enable_distca(model, group=dist.group.WORLD, config=config)
             nano_batch_loss(model, batch, num_items_in_batch=n_targets).backward()
 
         yield section, step_log(step)
@@ -113,7 +114,7 @@ def test_every_rank_issues_the_same_collectives(world, ranks_per_node):
     names = list(schedules(world, ranks_per_node))
     counts = assert_one_run(world, ranks_per_node, names)
     # the schedules really differ: ping-pong starts more exchanges than serial, the relay chains stages;
-    # the link probe ran once per process (its all-reduce of seconds) at the first step that measures
+    # the link probe ran once per process (its all-reduce of seconds), at the first enable_distca that measures
     a2a = {name: c[A2A] for name, c in counts.items()}
     assert a2a["ping_pong:local_first"] > a2a["serial"] and a2a["layer_ping_pong"] > a2a["serial"], a2a
     assert "relay" not in a2a or a2a["relay"] > a2a["serial"], a2a
