@@ -51,6 +51,18 @@ def check_cases(cases: list[dict], results: list, checks: dict[str, Callable[[di
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def skip_deepspeed_shm_build() -> None:
+    """Mark DeepSpeed's shared-memory CPU all-reduce op as not buildable in this process.
+
+    DeepSpeed's CPU comm backend JIT-compiles that op (used only by its ``inference_all_reduce``) in every
+    process that starts it: minutes on 2 cores, under a file lock in the torch-extensions cache that a
+    process killed mid-build leaves behind for every later one. The tests' collectives run on gloo, so the
+    op is marked incompatible; DeepSpeed keeps edits to its ``__compatible_ops__`` dict for the process."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def preloaded_context():
     """Processes forked from a server that imported torch, Transformers, hf_distca and the main recipe once (per
     test process): each rank starts in well under a second instead of importing them again, and the server

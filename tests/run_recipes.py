@@ -16,7 +16,11 @@ import socket
 import sys
 from pathlib import Path
 
-from distributed import ROOT, preloaded_context, run_processes
+from distributed import ROOT, preloaded_context, run_processes, skip_deepspeed_shm_build
+
+
+# scripts that start DeepSpeed without a --deepspeed flag (the Ulysses recipe sets its own config)
+DEEPSPEED_SCRIPTS = ("sequence_parallel_long_docs.py", "ulysses_zero_stage.py")
 
 
 def exact_run_args(max_steps: int, num_documents: int) -> list[str]:
@@ -80,6 +84,8 @@ def _rank_main(rank: int, world: int, port: int, runs: list, log_path: str, env:
     import torch
 
     torch.set_num_threads(1)
+    if any("--deepspeed" in argv or script.endswith(DEEPSPEED_SCRIPTS) for script, argv in runs):
+        skip_deepspeed_shm_build()
     for script, argv in runs:
         code = _script_module(script).main(argv)
         if type(code) is int and code != 0:  # a main that reports failure by its exit status

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 import torch
-from distributed import run_distributed
+from distributed import run_distributed, skip_deepspeed_shm_build
 from extras import require
 from oracle import assert_close, oracle_attention, oracle_with_grads, random_qkv
 from run_recipes import launch
@@ -67,6 +67,7 @@ def _attention_cases(rank, world):
 
     from hf_distca.attention import distca_attention_forward
 
+    skip_deepspeed_shm_build()
     deepspeed.init_distributed(dist_backend="gloo")
     results = {}
     for hq, hkv in ((4, 2), (4, 1)):  # KV heads divide sp_size; fewer KV heads than ranks (replicated)

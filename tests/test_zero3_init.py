@@ -13,7 +13,7 @@ import os
 import tempfile
 
 import torch
-from distributed import run_distributed
+from distributed import run_distributed, skip_deepspeed_shm_build
 from extras import require
 
 require("deepspeed", "deepspeed")
@@ -45,6 +45,7 @@ def _worker(rank: int, world: int) -> dict:
     from transformers.integrations import is_deepspeed_zero3_enabled
 
     os.environ["LOCAL_RANK"] = str(rank)  # deepspeed.zero.Init reads it (torchrun sets it)
+    skip_deepspeed_shm_build()
     deepspeed.init_distributed(dist_backend="gloo")  # on GPUs TrainingArguments does it (NCCL)
     recipe = _load_recipe()
     args = recipe.parse_args(
