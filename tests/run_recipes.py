@@ -18,7 +18,6 @@ from pathlib import Path
 
 from distributed import ROOT, preloaded_context, run_processes, skip_deepspeed_shm_build
 
-
 # scripts that start DeepSpeed without a --deepspeed flag (the Ulysses recipe sets its own config)
 DEEPSPEED_SCRIPTS = ("sequence_parallel_long_docs.py", "ulysses_zero_stage.py")
 
