@@ -100,17 +100,60 @@ def free_device_bytes(device: torch.device | None = None) -> int | None:
 
 def free_host_bytes() -> int:
     """Host memory available to new allocations: MemAvailable of /proc/meminfo (psutil's
-    ``virtual_memory().available`` where there is no /proc), in bytes."""
+    ``virtual_memory().available`` where there is no /proc), and no more than the room left under this
+    process's cgroup memory limit (a container sees the whole machine's MemAvailable), in bytes."""
+    available = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    available = int(line.split()[1]) * 1024
+                    break
     except OSError:
         pass
-    import psutil
+    if available is None:
+        import psutil
 
-    return int(psutil.virtual_memory().available)
+        available = int(psutil.virtual_memory().available)
+    room = _cgroup_room()
+    return available if room is None else min(available, room)
+
+
+_CGROUP_FILES = (  # (limit, usage, stat) of cgroup v2, then v1
+    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory.stat"),
+    (
+        "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+        "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+        "/sys/fs/cgroup/memory/memory.stat",
+    ),
+)
+
+
+def _cgroup_room() -> int | None:
+    """The cgroup's memory limit minus its usage (its reclaimable inactive page cache not counted as used);
+    None without a limit."""
+    for limit_file, usage_file, stat_file in _CGROUP_FILES:
+        try:
+            with open(limit_file) as f:
+                limit = f.read().strip()
+            with open(usage_file) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if not limit.isdigit() or int(limit) >= 1 << 60:  # "max" or v1's "unlimited" page counter
+            return None
+        cache = 0
+        try:
+            with open(stat_file) as f:
+                for line in f:
+                    name, _, value = line.partition(" ")
+                    if name in ("inactive_file", "total_inactive_file"):
+                        cache = int(value)
+                        break
+        except (OSError, ValueError):
+            pass
+        return max(0, int(limit) - usage + cache)
+    return None
 
 
 def describe(policy: Sequence[str]) -> dict[str, int]:

@@ -21,6 +21,7 @@ then call :func:`offload_activations`; :class:`hf_distca.DistCACallback` does bo
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,7 @@ __all__ = [
     "ActivationOffload",
     "OffloadOptions",
     "check_offload_applies",
+    "choose_offloaded_inputs",
     "decoder_layers",
     "offload_activations",
     "resolve_over_ranks",
@@ -54,7 +56,9 @@ class OffloadOptions:
 
     inputs: bool = False
     """Keep each checkpointed decoder layer's input in host memory (copied on a side stream, brought back a
-    layer ahead in backward)."""
+    layer ahead in backward). On a CUDA device only as many layers as ``host_fraction`` of the available host
+    memory holds (the first ones; the last layers keep theirs on the device), chosen at the first step
+    (:func:`choose_offloaded_inputs`)."""
     kept_attention: str | tuple[str, ...] = "gpu"
     """Where rematerialization-aware checkpointing keeps each layer's attention output and log-sum-exp:
     "gpu", "host", "drop" (recomputed in backward), one per layer, or "auto" (chosen at the first step,
@@ -66,7 +70,8 @@ class OffloadOptions:
     device_fraction: float = 0.5
     """``kept_attention="auto"``: the share of free device memory the kept outputs may take."""
     host_fraction: float = 0.8
-    """``kept_attention="auto"``: the share of available host memory offloaded tensors may take."""
+    """The share of available host memory (divided among the node's ranks, ``LOCAL_WORLD_SIZE``) that
+    offloaded layer inputs and, with ``kept_attention="auto"``, kept outputs may take."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.inputs, bool):
@@ -102,6 +107,27 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
+def choose_offloaded_inputs(
+    layers: int, input_bytes: int, *, free_host: int | None, host_fraction: float = 0.8
+) -> list[bool]:
+    """Which decoder layers keep their checkpointed input in host memory, one flag per layer: the FIRST
+    layers, as many as ``host_fraction x free_host`` holds (backward needs the last layers' inputs first, so
+    those stay on the device and the copies back have the most time to hide). ``free_host`` None (no CUDA
+    device: the copies are plain host memory anyway, e.g. the CPU tests): every layer."""
+    if free_host is None or input_bytes <= 0:
+        return [True] * layers
+    on_host = min(layers, int(host_fraction * free_host // input_bytes))
+    return [True] * on_host + [False] * (layers - on_host)
+
+
+def _local_ranks() -> int:
+    """Ranks sharing this node's host memory (torchrun / accelerate set LOCAL_WORLD_SIZE)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
 class ActivationOffload:
     """The offload installed on one model: hooks, offloader, host arena and the kept-attention policy."""
 
@@ -114,6 +140,14 @@ class ActivationOffload:
                 "(GradientCheckpointingLayer modules) to offload around"
             )
         self.policy = kept.per_layer(options.kept_attention, len(self.layers))
+        # per layer: its checkpointed input goes to host memory (None: chosen at the first step)
+        self.inputs_policy: list[bool] | None = None if options.inputs else [False] * len(self.layers)
+        embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        weight = getattr(embeddings, "weight", None)
+        # the residual stream between layers (what checkpointing keeps) has the embeddings' dtype, also
+        # under autocast
+        self.input_dtype = weight.dtype if weight is not None else next(model.parameters()).dtype
+        self.input_layer_bytes = 0  # one layer's checkpointed input at the first step
         config = getattr(model, "config", None)
         self._heads = getattr(config, "num_attention_heads", None)
         self._hidden = getattr(config, "hidden_size", 0) or 0
@@ -131,28 +165,41 @@ class ActivationOffload:
     def resolve(
         self, tokens: int, dtype: torch.dtype, *, free_device: int | None, free_host: int
     ) -> list[str]:
-        """Choose ``kept_attention="auto"``'s per-layer policy for micro-batches of ``tokens`` rows per rank
-        from the free memory given (the same figures on every rank: the callback takes the least over the
-        ranks); a fixed policy is kept. Returns the policy."""
+        """Choose which layers' inputs go to host memory (``inputs=True``) and ``kept_attention="auto"``'s
+        per-layer policy, for micro-batches of ``tokens`` rows per rank (``dtype``: the attention's) from the
+        free memory given (the callback gives the least over the ranks; ``free_device`` None: no CUDA device);
+        the node's ranks share ``free_host``. A fixed policy is kept. Returns the kept-attention policy."""
+        layers = len(self.layers)
+        host_share = free_host // _local_ranks()
+        self.input_layer_bytes = (
+            tokens * self._hidden * torch.empty((), dtype=self.input_dtype).element_size()
+        )
+        if self.inputs_policy is None:
+            self.inputs_policy = choose_offloaded_inputs(
+                layers, self.input_layer_bytes, free_host=None if free_device is None else host_share,
+                host_fraction=self.options.host_fraction,
+            )  # fmt: skip
+            self.choice["offload_inputs_free_host_gib"] = host_share / 2**30
         if self.policy is None:
             kept_bytes = kept.kept_attention_bytes(tokens, self._heads or 0, self._head_dim, dtype)
-            inputs = len(self.layers) * tokens * self._hidden * torch.empty((), dtype=dtype).element_size()
+            on_host = sum(self.inputs_policy) * self.input_layer_bytes
             self.policy = kept.choose_kept_attention(
-                len(self.layers), kept_bytes, free_device=free_device, free_host=free_host,
-                inputs_on_device=0 if self.options.inputs else inputs,
-                inputs_on_host=inputs if self.options.inputs else 0,
+                layers, kept_bytes, free_device=free_device, free_host=host_share,
+                inputs_on_device=layers * self.input_layer_bytes - on_host, inputs_on_host=on_host,
                 device_fraction=self.options.device_fraction, host_fraction=self.options.host_fraction,
             )  # fmt: skip
-            self.choice = {
-                "kept_attention_free_device_gib": None if free_device is None else free_device / 2**30,
-                "kept_attention_free_host_gib": free_host / 2**30,
-                "kept_attention_layer_gib": kept_bytes / 2**30,
-            }
+            self.choice.update(
+                kept_attention_free_device_gib=None if free_device is None else free_device / 2**30,
+                kept_attention_free_host_gib=host_share / 2**30,
+                kept_attention_layer_gib=kept_bytes / 2**30,
+            )
         return self.policy
 
     def _resolve_at_first_call(self, hidden_states: torch.Tensor) -> None:
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        if world > 1:
+        if (
+            world > 1 and self.policy is None
+        ):  # the inputs' split may differ between ranks: no math depends on it
             raise RuntimeError(
                 "offload_activations(kept_attention='auto') on several ranks: every rank must keep the same "
                 "layers' outputs, so the choice is made before the first step from the least free memory over "
@@ -160,8 +207,11 @@ class ActivationOffload:
                 "kept_attention ('gpu', 'host', 'drop' or one per layer)"
             )
         tokens = hidden_states.numel() // hidden_states.shape[-1]
+        where = hidden_states.device.type
+        # attention runs in autocast's dtype where autocast is on (the residual stream stays in its own)
+        dtype = torch.get_autocast_dtype(where) if torch.is_autocast_enabled(where) else hidden_states.dtype
         self.resolve(
-            tokens, hidden_states.dtype,
+            tokens, dtype,
             free_device=kept.free_device_bytes(hidden_states.device), free_host=kept.free_host_bytes(),
         )  # fmt: skip
 
@@ -176,7 +226,7 @@ class ActivationOffload:
             if not (layer.gradient_checkpointing and layer.training and torch.is_grad_enabled()):
                 self._calls().append(None)  # this call keeps its activations itself: nothing to place
                 return
-            if self.policy is None:
+            if self.policy is None or self.inputs_policy is None:
                 self._resolve_at_first_call(args[0] if args else None)
             group = self.offloader.begin_group()
             pack = self.offloader.packer(group)
@@ -187,7 +237,7 @@ class ActivationOffload:
                 unpack=self.offloader.unpack if choice == "host" else None,
             )
             contexts = [placing_kept_attention(placement)]
-            if self.options.inputs:
+            if self.inputs_policy[index]:
                 contexts.append(saved_tensors_hooks(pack, self.offloader.unpack))
             for context in contexts:
                 context.__enter__()
@@ -217,6 +267,9 @@ class ActivationOffload:
     def report(self) -> dict[str, Any]:
         """The policy chosen (per layer and counted), what was offloaded, and the host arena's size."""
         out: dict[str, Any] = {"offload_inputs": self.options.inputs}
+        if self.inputs_policy is not None:
+            out["offload_inputs_host_layers"] = sum(self.inputs_policy)
+            out["offload_inputs_layer_gib"] = self.input_layer_bytes / 2**30
         if self.policy is not None:
             out["kept_attention"] = list(self.policy)
             out.update(kept.describe(self.policy))

@@ -530,7 +530,8 @@ def finish(args, trainer, callback, tokenizer) -> dict:
         # the engine the Trainer trained: DistributedDataParallel, DeepSpeedEngine, an FSDP2 model class, ...
         wrapped=type(trainer.model_wrapped).__name__,
         peak_memory_gib=peak_memory_gib(training_args.world_size),
-        memory=callback.memory_report,
+        peak_reserved_gib=peak_memory_gib(training_args.world_size, reserved=True),
+        memory=memory_report(args, trainer, callback),
     )
     if not args.no_save:
         trainer.save_model(os.path.join(args.output_dir, "model"))
@@ -552,11 +553,31 @@ def finish(args, trainer, callback, tokenizer) -> dict:
     return summary
 
 
-def peak_memory_gib(world: int) -> list[float] | None:
-    """Every rank's peak allocated CUDA memory in GiB (None on the CPU); all ranks call it together."""
+def memory_report(args, trainer, callback) -> dict:
+    """The memory options' report (callback.memory_report) and this rank's memory by owner at the peak
+    (hf_distca.memory_owners: weights, gradients, optimizer state, checkpointed inputs, kept attention
+    outputs, the rest), in GiB."""
+    from hf_distca.memory_owners import memory_by_owner
+
+    on_cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    by_owner = memory_by_owner(
+        trainer.model,
+        trainer.optimizer,
+        tokens=args.tokens_per_rank,
+        compute_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        remat=args.gradient_checkpointing and not args.recompute_attention and ATTN[args.attn] == "distca",
+        peak_allocated=torch.cuda.max_memory_allocated() if on_cuda else None,
+    )
+    return {**callback.memory_report, "by_owner": by_owner}
+
+
+def peak_memory_gib(world: int, *, reserved: bool = False) -> list[float] | None:
+    """Every rank's peak allocated (``reserved``: reserved by the caching allocator) CUDA memory in GiB
+    (None on the CPU); all ranks call it together."""
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return None
-    peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], dtype=torch.float64, device="cuda")
+    peak_bytes = torch.cuda.max_memory_reserved() if reserved else torch.cuda.max_memory_allocated()
+    peak = torch.tensor([peak_bytes / 2**30], dtype=torch.float64, device="cuda")
     if world > 1 and torch.distributed.is_initialized():
         out = [torch.empty_like(peak) for _ in range(world)]
         torch.distributed.all_gather(out, peak)

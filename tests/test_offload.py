@@ -39,7 +39,7 @@ from hf_distca import metrics
 from hf_distca.engine.host_arena import ALIGN, HostArena
 from hf_distca.engine.offload import Offloader, Packed
 from hf_distca.kept_attention import choose_kept_attention, per_layer
-from hf_distca.offloading import OFFLOAD_ATTR, OffloadOptions, offload_activations
+from hf_distca.offloading import OFFLOAD_ATTR, OffloadOptions, choose_offloaded_inputs, offload_activations
 from hf_distca.tiled_mlp import TiledMLP, tile_mlp, untile_mlp
 
 TILE = 16
@@ -259,6 +259,26 @@ def test_auto_policy_resolves_at_the_first_step_and_reports():
     report = offload.report()
     assert report["kept_attention"] == ["gpu"] * LAYERS  # no CUDA device: kept where they are
     assert report["kept_attention_gpu_layers"] == LAYERS and "kept_attention_free_host_gib" in report
+
+
+def test_inputs_split_by_the_host_budget():
+    gib = 1 << 30
+    # 4 layer inputs of 1 GiB, 0.8 x 2.6 GiB of host: the first 2 go to host memory, the last 2 stay
+    assert choose_offloaded_inputs(4, gib, free_host=int(2.6 * gib)) == [True, True, False, False]
+    assert choose_offloaded_inputs(3, gib, free_host=None) == [True] * 3  # no CUDA device: every layer
+    assert choose_offloaded_inputs(2, gib, free_host=0) == [False, False]
+    # a split step equals the step without checkpointing, and moves only layer 0's input
+    base = tiny_llama()
+    ids = torch.tensor([docs_of([90], seed=8)[0]])
+    want = with_mode(base, "none")
+    want(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    model = with_mode(base, "remat")
+    offload = offload_activations(model, inputs=True, min_bytes=0)
+    offload.inputs_policy = [True, False]
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    report = offload.report()
+    assert report["offloaded_tensors"] == 1 and report["offload_inputs_host_layers"] == 1, report
+    assert_grads_close(grads_of(model), grads_of(want), "split inputs")
 
 
 # ------------------------------------------------------------------------------------ tiled MLP

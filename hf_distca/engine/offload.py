@@ -128,6 +128,17 @@ class Offloader:
             self.bytes_offloaded += tensor.numel() * tensor.element_size()
             return packed
 
+    def release_finished(self) -> None:
+        """Free the device copies of offloaded tensors whose copy to host memory has completed (never waits;
+        otherwise this happens at the next pack or group)."""
+        with self._lock:
+            self._release_finished()
+
+    @property
+    def side_streams(self) -> list:
+        """The CUDA streams the copies run on (one per device; none before the first CUDA copy)."""
+        return list(self._streams.values())
+
     def _release_finished(self) -> None:
         """Drop the sources whose device->host copy has completed (never waits)."""
         self._pending = [(event, src) for event, src in self._pending if not event.query()]
