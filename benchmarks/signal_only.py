@@ -10,35 +10,31 @@ for training. The library knows nothing of it: the exchange is swapped for the d
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from hf_distca import comm, metrics
+from hf_distca import comm
+
+_all_to_all_v = comm.all_to_all_v
+"""The real exchange, taken before any :func:`signal_only` block swaps the library's for
+:func:`signal_exchange` (``hf_distca.comm`` is among the modules swapped)."""
 
 
 def signal_exchange(
-    send: torch.Tensor,
-    send_splits: list[int],
-    recv_splits: list[int],
-    group: Any,
-    *,
-    async_op: bool = False,
-    phase: str | None = None,
+    send: torch.Tensor, send_splits: list[int], recv_splits: list[int], group: Any, **options: Any
 ) -> comm.Exchange:
-    """:func:`hf_distca.comm.all_to_all_v`'s signature and checks, but one byte to and from every rank
-    (counted as such in :mod:`hf_distca.metrics`); the received payload reads as zeros."""
-    if send.dim() != 1 or sum(send_splits) != send.numel():
-        raise ValueError(f"a flat buffer of {sum(send_splits)} elements expected, got {tuple(send.shape)}")
+    """:func:`hf_distca.comm.all_to_all_v` with its checks and ``options`` (``async_op``, ``phase``), but
+    exchanging one byte with every rank (counted as such in :mod:`hf_distca.metrics`); the received
+    payload reads as zeros."""
+    comm.check_send(send, send_splits)
     world = len(recv_splits)
-    flags = torch.zeros(2 * world, dtype=torch.uint8, device=send.device)  # [sent | received]
-    work = dist.all_to_all_single(flags[world:], flags[:world], group=group, async_op=async_op)
-    metrics.record_bytes(world, world, phase)
-    recv = send.new_zeros(sum(recv_splits))
-    return comm.Exchange(recv=recv, send=flags, work=work if async_op else None)
+    ones = [1] * world
+    flags = _all_to_all_v(send.new_zeros(world, dtype=torch.uint8), ones, ones, group, **options)
+    return dataclasses.replace(flags, recv=send.new_zeros(sum(recv_splits)))
 
 
 @contextlib.contextmanager

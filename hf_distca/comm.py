@@ -137,6 +137,16 @@ def chain(first: Exchange, then: Callable[[torch.Tensor], Exchange] | None = Non
     return Chain([first, second], started)
 
 
+def check_send(send: torch.Tensor, send_splits: list[int]) -> None:
+    """Refuse a send buffer :func:`all_to_all_v` cannot send: not 1-D, or not ``sum(send_splits)`` elements."""
+    if send.dim() != 1:
+        raise ValueError(f"all_to_all_v sends a flat buffer, got shape {tuple(send.shape)}")
+    if sum(send_splits) != send.numel():
+        raise ValueError(
+            f"send splits sum to {sum(send_splits)} but the buffer holds {send.numel()} elements"
+        )
+
+
 def all_to_all_v(
     send: torch.Tensor,
     send_splits: list[int],
@@ -150,12 +160,7 @@ def all_to_all_v(
     ``recv_splits[r]`` elements from it (in rank order). Every rank of the group must call it with
     matching splits. Not differentiable. ``phase``: the name its bytes are counted under in
     :mod:`hf_distca.metrics` (the engine's phases of the traffic ledger)."""
-    if send.dim() != 1:
-        raise ValueError(f"all_to_all_v sends a flat buffer, got shape {tuple(send.shape)}")
-    if sum(send_splits) != send.numel():
-        raise ValueError(
-            f"send splits sum to {sum(send_splits)} but the buffer holds {send.numel()} elements"
-        )
+    check_send(send, send_splits)
     send = send.contiguous()
     recv = send.new_empty(sum(recv_splits))
     work = dist.all_to_all_single(

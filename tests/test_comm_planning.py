@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from oracle import TOL, Layout, long_tailed_lengths, pack_sequential
-from test_planner import KV_ROW, Q_ROW, SETTINGS, check_plan, layouts, owner_map
+from test_planner import KV_ROW, Q_ROW, SETTINGS, check_plan, layouts, owner_map, plan_with_config
 from test_planner import simulate as simulate_dispatch
 
 from hf_distca import DistCAConfig, plan_core_attention
@@ -42,10 +42,9 @@ FLOPS = attention_flops_per_pair(2, 8)  # 2 query heads x 8: 224 FLOPs per pair 
 GIB = 2**30
 
 
-def _plan(pieces, config: DistCAConfig, q_row: int = Q_ROW, kv_row: int = KV_ROW):
-    return plan_core_attention(
-        pieces, q_row_bytes=q_row, kv_row_bytes=kv_row, options=config.planner_options(), flops_per_pair=FLOPS
-    )
+def _plan(pieces, config: DistCAConfig, q_row: int = Q_ROW, kv_row: int = KV_ROW, window: int | None = None):
+    """The priced plan: :func:`plan_with_config` with FLOPS per pair."""
+    return plan_with_config(pieces, config, q_row, kv_row, flops_per_pair=FLOPS, window=window)
 
 
 def _unpriced(config: DistCAConfig) -> DistCAConfig:
@@ -223,24 +222,14 @@ def test_relay_plans_valid_never_slower_and_within_the_send_bound(data, config, 
     config = dataclasses.replace(config, ranks_per_node=per, kv_relay=True)
     if not priced:
         config = _unpriced(config)
-    plan = plan_core_attention(
-        layout.pieces,
-        q_row_bytes=Q_ROW,
-        kv_row_bytes=KV_ROW,
-        options=config.planner_options(),
-        flops_per_pair=FLOPS,
-        window=window,
-    )
+    plan = _plan(layout.pieces, config, window=window)
     direct = traffic.forward_bytes(plan, traffic.plan_traffic(plan))
     as_direct = dataclasses.replace(plan, bytes_sent=direct[0], bytes_received=direct[1])
     check_plan(as_direct, layout, config)  # the invariants of any plan, its bytes on the direct route
     simulate_dispatch(as_direct, layout)
     bound = config.max_send_bytes_per_rank
     if bound is not None:  # no move takes a rank above the bound (or further above it), relayed
-        unbalanced = plan_core_attention(
-            layout.pieces, q_row_bytes=Q_ROW, kv_row_bytes=KV_ROW, flops_per_pair=FLOPS, window=window,
-            options=dataclasses.replace(config, max_planner_moves=0).planner_options(),
-        )  # fmt: skip
+        unbalanced = _plan(layout.pieces, dataclasses.replace(config, max_planner_moves=0), window=window)
         relayed = [
             traffic.forward_bytes(p, traffic.plan_traffic(p, per, True))[0] for p in (plan, unbalanced)
         ]
@@ -252,13 +241,7 @@ def test_relay_plans_valid_never_slower_and_within_the_send_bound(data, config, 
     rtol, _ = TOL["critical_path"]
     link = link_model_from_options(config.planner_options(), CausalPairsCost(window), FLOPS)
     assert plan.critical_path_after <= plan.critical_path_before * (1 + rtol)
-    balance_only = plan_core_attention(
-        layout.pieces,
-        q_row_bytes=Q_ROW,
-        kv_row_bytes=KV_ROW,
-        options=_unpriced(config).planner_options(),
-        window=window,
-    )
+    balance_only = plan_with_config(layout.pieces, _unpriced(config), window=window)
     assert plan.critical_path_after <= plan_critical_path(balance_only, link) * (1 + rtol)
     if plan.moves and plan.digest() != balance_only.digest():
         # priced moves are taken only where they lower the critical path; the balance-only plan, kept when
@@ -348,13 +331,7 @@ def test_long_document_stays_in_its_node_when_only_the_inter_node_link_is_slow()
     base = DistCAConfig(shard_tokens=128)
 
     def plan(config):
-        return plan_core_attention(
-            layout.pieces,
-            q_row_bytes=q_row,
-            kv_row_bytes=kv_row,
-            options=config.planner_options(),
-            flops_per_pair=flops,
-        )
+        return plan_with_config(layout.pieces, config, q_row, kv_row, flops_per_pair=flops)
 
     balance_only = plan(base)
     assert _kv_fanout(balance_only, 0, 0) == set(range(1, 8))

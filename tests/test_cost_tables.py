@@ -31,6 +31,7 @@ SHIPPED = {"cudnn": "h200_bf16_32x8x128_cudnn.json", "torch_varlen": "h200_bf16_
 ROW_BYTES = dict(q_row_bytes=32 * 128 * 2, kv_row_bytes=2 * 8 * 128 * 2)
 FLOPS = attention_flops_per_pair(32, 128)
 # one rank holds a 32K document, the other 128 short ones: pairs and measured time disagree
+CASE = cost_probe.TableCase(torch.float32, q_heads=2, kv_heads=1, head_dim=8)  # the agreement cases' inputs
 PIECES = [[(0, 0, 32768)], [(1 + i, 0, 256) for i in range(128)]]
 
 
@@ -153,7 +154,7 @@ def _worker(rank: int, world: int) -> dict:
     # 2. no shipped table fits: every rank measures the start-up grid (the reference kernel on a tiny
     # grid here), and all end with the same table
     kw = dict(device_name="cpu-test", measurable=True, lens=[16, 32], fuse_tokens=64, warmup=0, repeats=1)
-    measured = cost_probe.agree_on_table(None, torch.device("cpu"), torch.float32, 2, 1, 8, "reference", **kw)
+    measured = cost_probe.agree_on_table(None, torch.device("cpu"), CASE, "reference", **kw)
     out["measured"] = (measured.digest(), measured.seconds.tolist())
     out["seconds"] = engine_state().measurement_seconds
 
@@ -162,16 +163,14 @@ def _worker(rank: int, world: int) -> dict:
     timing.time_task = lambda q_len, kv_len, **_: (rank + 1) * 1e-6 * (q_len + kv_len)
     cost_probe.find_shipped_table = lambda *a: SHIPPED["cudnn"] if rank == 0 else None
     try:
-        mean = cost_probe.agree_on_table(None, torch.device("cpu"), torch.float32, 2, 1, 8, "reference", **kw)
+        mean = cost_probe.agree_on_table(None, torch.device("cpu"), CASE, "reference", **kw)
     finally:
         timing.time_task, cost_probe.find_shipped_table = real_time_task, real_find
     out["mean"] = (mean.digest(), mean.seconds.tolist())
 
     # 4. one rank cannot measure: nobody does, every rank plans causal pairs
     kw["measurable"] = rank == 0
-    out["pairs"] = cost_probe.agree_on_table(
-        None, torch.device("cpu"), torch.float32, 2, 1, 8, "reference", **kw
-    )
+    out["pairs"] = cost_probe.agree_on_table(None, torch.device("cpu"), CASE, "reference", **kw)
     return out
 
 

@@ -101,6 +101,13 @@ def check_modes(runs: dict[str, dict], label: str, *, bytes_moved: bool) -> None
 
 
 # ------------------------------------------------------------------------------- one process, local
+def local_batch() -> dict:
+    """Five seeded documents (lengths 37, 1, 60, 12, 5) packed into one row as the plain Transformers path
+    gets them (DataCollatorWithFlattening: no DistCA layout)."""
+    docs = docs_of([37, 1, 60, 12, 5], seed=3)
+    return DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": d} for d in docs])
+
+
 def _step(model, **inputs) -> tuple[float, dict]:
     metrics.reset()
     out = model(**inputs, use_cache=False)
@@ -111,8 +118,7 @@ def _step(model, **inputs) -> tuple[float, dict]:
 def test_remat_local_path_single_process():
     """--attn local / plain Transformers use: packed documents, no DistCA layout, no process group."""
     base = tiny_llama()
-    docs = docs_of([37, 1, 60, 12, 5], seed=3)
-    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": d} for d in docs])
+    batch = local_batch()
     runs = {}
     for mode in MODES:
         loss, grads = _step(with_mode(base, mode), **batch)
@@ -206,17 +212,23 @@ PIECES = {
 }
 
 
-def run_model_steps(rank: int, world: int, runs: dict[str, tuple[str, DistCAConfig]]) -> dict:
-    """For every ``name: (checkpointing mode, config)`` of ``runs``, one training step on this rank of the
-    tiny Llama on the documents LENGTHS laid out as PIECES[world] (:func:`train_once`)."""
-    base = tiny_llama(seed=7)
+def rank_step_inputs(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor, Layout, torch.Tensor]:
+    """This rank's (input_ids, position_ids, every rank's Layout, loss weights) of the documents LENGTHS
+    laid out as PIECES[world]; the weights are this rank's rows of one seeded (tokens, VOCAB) draw."""
     docs = docs_of(LENGTHS, seed=11)
     pieces = PIECES[world][rank]
     ids, pos = rank_inputs(docs, pieces)
     weights = torch.randn(sum(LENGTHS), VOCAB, generator=torch.Generator().manual_seed(13))[
         global_rows(docs, pieces)
     ]
-    layout = Layout(PIECES[world])
+    return ids, pos, Layout(PIECES[world]), weights
+
+
+def run_model_steps(rank: int, world: int, runs: dict[str, tuple[str, DistCAConfig]]) -> dict:
+    """For every ``name: (checkpointing mode, config)`` of ``runs``, one training step on this rank of the
+    tiny Llama on :func:`rank_step_inputs` (:func:`train_once`)."""
+    base = tiny_llama(seed=7)
+    ids, pos, layout, weights = rank_step_inputs(rank, world)
     results = {}
     for name, (mode, config) in runs.items():
         model = with_mode(base, mode)

@@ -18,21 +18,16 @@ import torch.distributed as dist
 from distributed import run_distributed
 from test_engine_remat import (
     LAYERS,
-    LENGTHS,
-    PIECES,
-    VOCAB,
-    Layout,
     assert_grads_close,
     docs_of,
-    global_rows,
     grads_of,
-    rank_inputs,
+    local_batch,
+    rank_step_inputs,
     summed_over_ranks,
     tiny_llama,
     with_mode,
 )
 from tolerances import TOL
-from transformers import DataCollatorWithFlattening
 
 import hf_distca
 from hf_distca import metrics
@@ -109,8 +104,7 @@ def check_runs(runs: dict, label: str) -> None:
 # ------------------------------------------------------------------------------------ one process
 def test_every_option_exact_local_path():
     base = tiny_llama()
-    docs = docs_of([37, 1, 60, 12, 5], seed=3)
-    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": d} for d in docs])
+    batch = local_batch()
     runs = {}
     for name in RUNS:
         model = prepared(base, name)
@@ -135,8 +129,7 @@ def test_wrong_unpack_order_is_caught():
             return super().unpack(packed)
 
     base = tiny_llama()
-    docs = docs_of([37, 1, 60, 12, 5], seed=3)
-    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": d} for d in docs])
+    batch = local_batch()
     want = prepared(base, "remat")
     want(**batch, use_cache=False).loss.backward()
     model = prepared(base, "inputs")
@@ -314,13 +307,7 @@ def test_tiled_mlp_runs_once_per_tile_each_way_and_keeps_state_dict_keys():
 # --------------------------------------------------------------------------- 2 gloo ranks, engine
 def _ranks_case(rank: int, world: int) -> dict:
     base = tiny_llama(seed=7)
-    docs = docs_of(LENGTHS, seed=11)
-    pieces = PIECES[world][rank]
-    ids, pos = rank_inputs(docs, pieces)
-    weights = torch.randn(sum(LENGTHS), VOCAB, generator=torch.Generator().manual_seed(13))[
-        global_rows(docs, pieces)
-    ]
-    layout = Layout(PIECES[world])
+    ids, pos, layout, weights = rank_step_inputs(rank, world)
     config = hf_distca.DistCAConfig(shard_tokens=8, tolerance=0.0)
     runs = {}
     for name in RUNS:

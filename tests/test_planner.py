@@ -36,13 +36,13 @@ Q_ROW, KV_ROW = 64, 48  # bytes per token of Q (= output) and of K plus V, as th
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def _plan(pieces, config, cost_model=None, q_row=Q_ROW, kv_row=KV_ROW):
+def plan_with_config(
+    pieces, config: DistCAConfig, q_row: int = Q_ROW, kv_row: int = KV_ROW, **planner_kwargs
+):
+    """:func:`plan_core_attention` of ``pieces`` with ``config``'s planner options and ``q_row`` (``kv_row``)
+    bytes per token of Q (of K plus V); ``planner_kwargs``: its other keywords (cost_model, flops_per_pair, ...)."""
     return plan_core_attention(
-        pieces,
-        q_row_bytes=q_row,
-        kv_row_bytes=kv_row,
-        options=config.planner_options(),
-        cost_model=cost_model,
+        pieces, q_row_bytes=q_row, kv_row_bytes=kv_row, options=config.planner_options(), **planner_kwargs
     )
 
 
@@ -250,7 +250,7 @@ def simulate(plan, layout: Layout) -> None:
 @SETTINGS
 @given(layout=layouts(), config=configs)
 def test_plan_invariants_and_simulated_dispatch(layout, config):
-    plan = _plan(layout.pieces, config)
+    plan = plan_with_config(layout.pieces, config)
     check_plan(plan, layout, config)
     simulate(plan, layout)
 
@@ -259,9 +259,7 @@ def test_plan_invariants_and_simulated_dispatch(layout, config):
 @given(layout=layouts(), config=configs, window=st.sampled_from([1, 2, 7, 16, 50, 1000]))
 def test_windowed_plan_invariants_and_simulated_dispatch(layout, config, window):
     """Sliding-window layers: tasks read only their windows' keys, pairs are min(i + 1, W) per query."""
-    plan = plan_core_attention(
-        layout.pieces, q_row_bytes=Q_ROW, kv_row_bytes=KV_ROW, options=config.planner_options(), window=window
-    )
+    plan = plan_with_config(layout.pieces, config, window=window)
     assert plan.window == window
     check_plan(plan, layout, config)
     simulate(plan, layout)
@@ -279,9 +277,7 @@ def test_windowed_plan_invariants_and_simulated_dispatch(layout, config, window)
     ),
 )
 def test_windowed_receive_bound_respected(layout, window, config):
-    plan = plan_core_attention(
-        layout.pieces, q_row_bytes=Q_ROW, kv_row_bytes=KV_ROW, options=config.planner_options(), window=window
-    )
+    plan = plan_with_config(layout.pieces, config, window=window)
     check_plan(plan, layout, config)
     simulate(plan, layout)
 
@@ -297,7 +293,7 @@ def test_windowed_receive_bound_respected(layout, window, config):
     ),
 )
 def test_receive_bound_respected(layout, config):
-    plan = _plan(layout.pieces, config)
+    plan = plan_with_config(layout.pieces, config)
     check_plan(plan, layout, config)  # includes the bound check (5.)
     simulate(plan, layout)
 
@@ -306,13 +302,13 @@ def test_receive_bound_binds():
     """A bound below the smallest possible move stops all moves; without it the same input moves."""
     lens = [4000, 64, 64, 64]
     pieces = [[(0, 0, 4000)], [(1, 0, 64)], [(2, 0, 64)], [(3, 0, 64)]]
-    free = _plan(pieces, DistCAConfig(shard_tokens=128))
+    free = plan_with_config(pieces, DistCAConfig(shard_tokens=128))
     assert free.moves > 0 and free.imbalance_after < free.imbalance_before
-    tight = _plan(pieces, DistCAConfig(shard_tokens=128, max_recv_bytes_per_server=Q_ROW))
+    tight = plan_with_config(pieces, DistCAConfig(shard_tokens=128, max_recv_bytes_per_server=Q_ROW))
     assert tight.moves == 0 and tight.load_after == tight.load_before
     # a bound worth a few shards: some moves, each server's incoming bytes within it
     cfg = DistCAConfig(shard_tokens=128, max_recv_bytes_per_server=400 * (Q_ROW + KV_ROW))
-    mid = _plan(pieces, cfg)
+    mid = plan_with_config(pieces, cfg)
     assert mid.moves > 0
     assert mid.imbalance_after > free.imbalance_after  # the bound cost balance
     check_plan(mid, Layout("bound", [0, 1, 2, 3], lens, pieces), cfg)
@@ -349,7 +345,7 @@ def test_balance_reached_when_achievable(case):
     lowers the sum of squared loads, the states are finite, hence the greedy stops only within
     (1 + tol) * mean (or at max_planner_moves, asserted not hit)."""
     layout, config = case
-    plan = _plan(layout.pieces, config)
+    plan = plan_with_config(layout.pieces, config)
     mean = sum(plan.load_before) / layout.world
     assume(config.shard_tokens * max(layout.doc_lens) < config.tolerance * mean)
     rtol, _ = TOL["balance"]
@@ -380,7 +376,7 @@ def test_already_balanced_stays_local(world, lens, seed, tol):
             doc += 1
         rng.shuffle(mine)
         pieces.append(mine)
-    plan = _plan(pieces, DistCAConfig(tolerance=tol, shard_tokens=1))
+    plan = plan_with_config(pieces, DistCAConfig(tolerance=tol, shard_tokens=1))
     assert plan.imbalance_before == 1.0 and plan.moves == 0
     assert plan.bytes_sent == [0] * world and plan.bytes_received == [0] * world
     for r, tasks in enumerate(plan.tasks):
@@ -416,9 +412,9 @@ def test_identical_plans_from_equivalent_inputs(layout, config, seed):
     """Every rank must derive the same plan: it may only depend on who holds which positions, not on
     the Python types, objects, local order or piece granularity of the input. (Renumbering ranks is not
     an equivalence: servers are ranks.)"""
-    ref = _plan(layout.pieces, config)
+    ref = plan_with_config(layout.pieces, config)
     for name, variant in _equivalent_inputs(layout.pieces, random.Random(seed)):
-        plan = _plan(variant, config)
+        plan = plan_with_config(variant, config)
         assert plan.digest() == ref.digest(), name
         assert (plan.load_before, plan.load_after, plan.moves) == (
             ref.load_before,
@@ -429,14 +425,14 @@ def test_identical_plans_from_equivalent_inputs(layout, config, seed):
     # and the layout of a reordered input still moves every row correctly
     shuffled = [random.Random(seed).sample(rank, len(rank)) for rank in layout.pieces]
     relaid = Layout("shuffled", layout.doc_ids, layout.doc_lens, shuffled)
-    simulate(_plan(shuffled, config), relaid)
+    simulate(plan_with_config(shuffled, config), relaid)
 
 
 def test_digest_sensitive_to_assignment():
-    a = _plan([[(0, 0, 10)], [(1, 0, 10)]], DistCAConfig())
-    b = _plan([[(1, 0, 10)], [(0, 0, 10)]], DistCAConfig())  # ranks swapped: a different plan
+    a = plan_with_config([[(0, 0, 10)], [(1, 0, 10)]], DistCAConfig())
+    b = plan_with_config([[(1, 0, 10)], [(0, 0, 10)]], DistCAConfig())  # ranks swapped: a different plan
     assert a.digest() != b.digest()
-    assert a.digest() == _plan([[(0, 0, 10)], [(1, 0, 10)]], DistCAConfig()).digest()
+    assert a.digest() == plan_with_config([[(0, 0, 10)], [(1, 0, 10)]], DistCAConfig()).digest()
 
 
 # ---------------------------------------------------------------------------------------- fixed cases
@@ -444,7 +440,7 @@ def test_giant_document_is_split_on_shard_boundaries():
     """One 2,000-token document on rank 0 of 4: it is cut into head/tail shards at multiples of 16."""
     pieces = [[(0, 0, 2000)], [], [], []]
     cfg = DistCAConfig(shard_tokens=16, tolerance=0.1)
-    plan = _plan(pieces, cfg)
+    plan = plan_with_config(pieces, cfg)
     layout = Layout("giant", [0], [2000], pieces)
     check_plan(plan, layout, cfg)
     simulate(plan, layout)
@@ -459,7 +455,7 @@ def test_giant_document_is_split_on_shard_boundaries():
 
 def test_shard_tokens_limit_balance():
     """With shard_tokens as long as the document nothing can be split: the plan stays as it was."""
-    plan = _plan([[(0, 0, 100)], []], DistCAConfig(shard_tokens=128))
+    plan = plan_with_config([[(0, 0, 100)], []], DistCAConfig(shard_tokens=128))
     assert plan.moves == 0 and plan.imbalance_after == 2.0
 
 
@@ -467,7 +463,7 @@ def test_moves_prefer_flops_per_byte():
     """Moving a tail shard of a long document (many FLOPs per byte: long KV prefix, few queries sent)
     wins over moving short documents. Rank 0 holds one 2,048 doc and many short ones."""
     pieces = [[(0, 0, 2048)] + [(1 + i, 0, 32) for i in range(32)], [(100, 0, 1024)]]
-    plan = _plan(pieces, DistCAConfig(shard_tokens=128))
+    plan = plan_with_config(pieces, DistCAConfig(shard_tokens=128))
     moved = [t for t in plan.tasks[1] if t.doc_id != 100]
     assert moved and all(t.doc_id == 0 for t in moved)
     assert plan.imbalance_after <= 1.1
@@ -489,10 +485,10 @@ def test_planner_options_are_the_configs_fields():
 
 
 def test_world_of_one_and_empty_ranks():
-    plan = _plan([[(0, 0, 5), (1, 0, 3)]], DistCAConfig())
+    plan = plan_with_config([[(0, 0, 5), (1, 0, 3)]], DistCAConfig())
     assert plan.moves == 0 and plan.bytes_sent == [0]
     simulate(plan, Layout("one", [0, 1], [5, 3], [[(0, 0, 5), (1, 0, 3)]]))
-    empty = _plan([[], [], []], DistCAConfig())
+    empty = plan_with_config([[], [], []], DistCAConfig())
     assert empty.tasks == [[], [], []] and empty.imbalance_before == 1.0
     simulate(empty, Layout("empty", [], [], [[], [], []]))
 
@@ -512,7 +508,7 @@ def test_world_of_one_and_empty_ranks():
 )
 def test_malformed_pieces_raise(pieces, match):
     with pytest.raises(PieceError, match=match):
-        _plan(pieces, DistCAConfig())
+        plan_with_config(pieces, DistCAConfig())
     with pytest.raises(ValueError):  # PieceError is a ValueError
         DocIndex(pieces)
 
@@ -607,7 +603,7 @@ def test_planner_with_measured_cost():
     lens = [3000, 200, 100, 50]
     pieces = [[(0, 0, 3000)], [(1, 0, 200)], [(2, 0, 100)], [(3, 0, 50)]]
     cfg = DistCAConfig(shard_tokens=64)
-    plan = _plan(pieces, cfg, cost_model=cost)
+    plan = plan_with_config(pieces, cfg, cost_model=cost)
     layout = Layout("measured", [0, 1, 2, 3], lens, pieces)
     check_plan(plan, layout, cfg, cost)
     simulate(plan, layout)
@@ -616,7 +612,7 @@ def test_planner_with_measured_cost():
     assert plan.pairs_before == [causal_pairs(0, n) for n in lens]
     assert plan.pairs_after == [sum(causal_pairs(t.q_start, t.q_end) for t in ts) for ts in plan.tasks]
     assert sum(plan.pairs_after) == sum(plan.pairs_before)
-    pairs_plan = _plan(pieces, cfg)
+    pairs_plan = plan_with_config(pieces, cfg)
     assert pairs_plan.pairs_before == pairs_plan.load_before
 
 
@@ -671,7 +667,7 @@ def test_calibrate_command_end_to_end_on_cpu(tmp_path):
     cost = cost_model_from_config(config)
     assert cost.digest() == table.digest()
     pieces = [[(0, 0, 512)], [(1, 0, 64)], [(2, 0, 64)]]
-    plan = _plan(pieces, config, cost_model=cost)
+    plan = plan_with_config(pieces, config, cost_model=cost)
     layout = Layout("calibrated", [0, 1, 2], [512, 64, 64], pieces)
     check_plan(plan, layout, config, cost)
     simulate(plan, layout)
@@ -686,9 +682,7 @@ def test_window_prices_and_balances_windowed_pairs_and_sends_only_the_window():
     window, lens = 1024, [8192, 512, 512, 512]
     pieces = [[(0, 0, 8192)], [(1, 0, 512)], [(2, 0, 512)], [(3, 0, 512)]]
     config = DistCAConfig(shard_tokens=128, tolerance=0.1)
-    plan = plan_core_attention(
-        pieces, q_row_bytes=Q_ROW, kv_row_bytes=KV_ROW, options=config.planner_options(), window=window
-    )
+    plan = plan_with_config(pieces, config, window=window)
     assert plan.pairs_before == [1024 * 1025 // 2 + 1024 * (8192 - 1024)] + [512 * 513 // 2] * 3
     assert plan.load_before == [float(p) for p in plan.pairs_before]
     assert plan.moves > 0 and plan.imbalance_after <= 1.1 * (1 + TOL["balance"][0])
@@ -705,9 +699,7 @@ def test_window_prices_and_balances_windowed_pairs_and_sends_only_the_window():
     check_plan(plan, Layout("window", [0, 1, 2, 3], lens, pieces), config)
     simulate(plan, Layout("window", [0, 1, 2, 3], lens, pieces))
     # the same documents planned as full causal attention: other loads, more KV sent
-    causal = plan_core_attention(
-        pieces, q_row_bytes=Q_ROW, kv_row_bytes=KV_ROW, options=config.planner_options()
-    )
+    causal = plan_with_config(pieces, config)
     assert causal.pairs_before[0] == causal_pairs(0, 8192) > plan.pairs_before[0]
     per_kv_row = sum(plan.bytes_sent) / max(1, sum(t.q_len for _, t in moved))
     per_kv_row_causal = sum(causal.bytes_sent) / sum(

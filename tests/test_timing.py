@@ -12,8 +12,9 @@ import time
 
 import numpy as np
 from oracle import TOL, long_tailed_lengths, pack_sequential
+from test_planner import plan_with_config
 
-from hf_distca import DistCAConfig, plan_core_attention
+from hf_distca import DistCAConfig
 from hf_distca.planning import (
     CausalPairsCost,
     attention_flops_per_pair,
@@ -47,9 +48,7 @@ def test_planning_time_1000_docs_64_servers():
     config = DistCAConfig()  # balance-only: tolerance 0.1, shard_tokens 128
 
     def plan():
-        return plan_core_attention(
-            pieces, q_row_bytes=Q_ROW, kv_row_bytes=KV_ROW, options=config.planner_options()
-        )
+        return plan_with_config(pieces, config, Q_ROW, KV_ROW)
 
     seconds, times, result = median_cpu_seconds(plan, repeats=5)
     limit, _ = TOL["plan_seconds"]
@@ -67,13 +66,7 @@ def test_planning_time_priced_1000_docs_64_servers():
     flops = attention_flops_per_pair(32, 128)
 
     def plan(cfg=config):
-        return plan_core_attention(
-            pieces,
-            q_row_bytes=Q_ROW,
-            kv_row_bytes=KV_ROW,
-            options=cfg.planner_options(),
-            flops_per_pair=flops,
-        )
+        return plan_with_config(pieces, cfg, Q_ROW, KV_ROW, flops_per_pair=flops)
 
     seconds, times, priced = median_cpu_seconds(plan, repeats=3)
     limit, _ = TOL["plan_seconds"]

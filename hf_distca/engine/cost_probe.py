@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,6 +41,18 @@ from hf_distca.planning.cost import MeasuredCost
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class TableCase:
+    """What one kernel-cost table is for: attention inputs of ``dtype`` with ``q_heads`` query and
+    ``kv_heads`` key/value heads of ``head_dim`` (with the GPU model and kernel backend, what a shipped
+    table is looked up by)."""
+
+    dtype: torch.dtype
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+
+
 def describe_device(device: torch.device, dtype: torch.dtype, config: DistCAConfig) -> tuple[str, str] | None:
     """(GPU model name, kernel backend ``config.backend`` resolves to) for a CUDA device; None elsewhere."""
     if device.type != "cuda":
@@ -48,25 +61,18 @@ def describe_device(device: torch.device, dtype: torch.dtype, config: DistCAConf
 
 
 def probe_cost_table(
-    config: DistCAConfig,
-    group: Any,
-    device: torch.device,
-    dtype: torch.dtype,
-    q_heads: int,
-    kv_heads: int,
-    head_dim: int,
-    state: EngineState | None = None,
+    config: DistCAConfig, group: Any, device: torch.device, case: TableCase, state: EngineState | None = None
 ) -> MeasuredCost | None:
-    """Resolve the table ``cost_table="auto"`` plans with for attention inputs of ``dtype`` and this head
-    shape on ``device`` (see the module docstring) into ``state`` (None: the process's), unless resolved
+    """Resolve the table ``cost_table="auto"`` plans with for attention inputs ``case`` on ``device`` (see
+    the module docstring) into ``state`` (None: the process's), unless resolved
     before; returns it (None: causal pairs, and for any other ``cost_table``). Collective on ``group``
     (several ranks, CUDA): call it on every rank together."""
     state = state if state is not None else engine_state()
     if config.cost_table != COST_TABLE_AUTO:
         return None
-    key = _key(config, group, device, dtype, q_heads, kv_heads, head_dim)
+    key = _key(config, group, device, case)
     if key not in state.cost_tables:
-        described = describe_device(device, dtype, config)
+        described = describe_device(device, case.dtype, config)
         if described is None:
             state.cost_tables[key] = None
         else:
@@ -74,10 +80,7 @@ def probe_cost_table(
             state.cost_tables[key] = agree_on_table(
                 group,
                 device,
-                dtype,
-                q_heads,
-                kv_heads,
-                head_dim,
+                case,
                 backend,
                 device_name=device_name,
                 measurable=backend != "reference",
@@ -95,8 +98,8 @@ def auto_cost_table(
     if config.cost_table != COST_TABLE_AUTO:
         return None
     state = state if state is not None else engine_state()
-    q_heads, head_dim, kv_heads = q.shape[1], q.shape[2], k.shape[1]
-    key = _key(config, group, q.device, q.dtype, q_heads, kv_heads, head_dim)
+    case = TableCase(q.dtype, q_heads=q.shape[1], kv_heads=k.shape[1], head_dim=q.shape[2])
+    key = _key(config, group, q.device, case)
     if key not in state.cost_tables:
         described = describe_device(q.device, q.dtype, config)
         if described is None:
@@ -104,37 +107,34 @@ def auto_cost_table(
         if group_rank_world(group)[1] > 1:
             raise RuntimeError(
                 f"DistCAConfig(cost_table='auto'): no kernel-cost table was resolved for {q.dtype} attention with "
-                f"{q_heads}/{kv_heads} heads x {head_dim} on this process group; the probe is collective and runs "
+                f"{case.q_heads}/{case.kv_heads} heads x {case.head_dim} on this process group; the probe is collective and runs "
                 "before the first engine call, on every rank: hf_distca.enable_distca(model, group=..., dtype=...) "
                 "with the dtype the attention layers compute in, or hf_distca.engine.probe(config, group=..., "
                 "device=..., dtypes=..., q_heads=..., kv_heads=..., head_dim=...); or set cost_table=None or a path"
             )
         # one process: its shipped table or none (nothing is balanced, so nothing is measured)
-        state.cost_tables[key] = shipped_table(
-            described[0], q.dtype, q_heads, kv_heads, head_dim, described[1]
-        )
+        state.cost_tables[key] = shipped_table(described[0], case, described[1])
     return state.cost_tables[key]
 
 
-def shipped_table(
-    device_name: str, dtype: torch.dtype, q_heads: int, kv_heads: int, head_dim: int, backend: str
-) -> MeasuredCost | None:
-    """The table shipped for this GPU model, dtype, head shape and kernel backend; None without one."""
-    shipped = find_shipped_table(device_name, dtype, q_heads, kv_heads, head_dim, backend)
+def shipped_table(device_name: str, case: TableCase, backend: str) -> MeasuredCost | None:
+    """The table shipped for this GPU model, inputs and kernel backend; None without one."""
+    shipped = _find_shipped(device_name, case, backend)
     return None if shipped is None else load_shipped_table(shipped)
 
 
-def _key(config: DistCAConfig, group: Any, device: torch.device, dtype, q_heads, kv_heads, head_dim) -> tuple:
-    return (group_key(group), device.type, config.backend, dtype, q_heads, kv_heads, head_dim)
+def _find_shipped(device_name: str, case: TableCase, backend: str) -> str | None:
+    return find_shipped_table(device_name, case.dtype, case.q_heads, case.kv_heads, case.head_dim, backend)
+
+
+def _key(config: DistCAConfig, group: Any, device: torch.device, case: TableCase) -> tuple:
+    return (group_key(group), device.type, config.backend, case)
 
 
 def agree_on_table(
     group: Any,
     device: torch.device,
-    dtype: torch.dtype,
-    q_heads: int,
-    kv_heads: int,
-    head_dim: int,
+    case: TableCase,
     backend: str,
     *,
     device_name: str,
@@ -153,8 +153,8 @@ def agree_on_table(
     seconds a measurement took go to ``state.measurement_seconds`` (None: the process's state)."""
     _, world = group_rank_world(group)
     if world == 1:
-        return shipped_table(device_name, dtype, q_heads, kv_heads, head_dim, backend)
-    shipped = find_shipped_table(device_name, dtype, q_heads, kv_heads, head_dim, backend)
+        return shipped_table(device_name, case, backend)
+    shipped = _find_shipped(device_name, case, backend)
     digest = 0 if shipped is None else digest64(load_shipped_table(shipped).digest())
     mine = [int(shipped is not None), digest, int(measurable)]  # [found, its digest, can measure]
     everyone = all_gather_rows(mine, group, device)
@@ -172,10 +172,10 @@ def agree_on_table(
     seconds, _ = timing.time_table(
         lens,
         lens,
-        heads=q_heads,
-        kv_heads=kv_heads,
-        head_dim=head_dim,
-        dtype=dtype,
+        heads=case.q_heads,
+        kv_heads=case.kv_heads,
+        head_dim=case.head_dim,
+        dtype=case.dtype,
         device=device,
         backend=backend,
         fuse_tokens=fuse_tokens,
@@ -192,20 +192,20 @@ def agree_on_table(
     seconds = time.perf_counter() - start
     (state if state is not None else engine_state()).measurement_seconds = seconds
     if dist.get_rank(group) == 0:
-        _log_measurement(device, dtype, q_heads, kv_heads, head_dim, backend, len(lens), world, seconds)
+        _log_measurement(device, case, backend, len(lens), world, seconds)
     return MeasuredCost(lens, lens, mean)
 
 
-def _log_measurement(device, dtype, q_heads, kv_heads, head_dim, backend, n, world, seconds) -> None:
+def _log_measurement(device, case: TableCase, backend, n, world, seconds) -> None:
     logger.warning(
         "cost_table='auto': no shipped kernel table for %s %s, %d/%d heads x %d, %s: measured a %dx%d "
         "start-up table in %.2f s (the mean of %d ranks'; python -m hf_distca.calibrate writes a full "
         "one for DistCAConfig(cost_table=PATH))",
         torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
-        str(dtype).removeprefix("torch."),
-        q_heads,
-        kv_heads,
-        head_dim,
+        str(case.dtype).removeprefix("torch."),
+        case.q_heads,
+        case.kv_heads,
+        case.head_dim,
         backend,
         n,
         n,

@@ -16,7 +16,7 @@ import torch
 from hf_distca import metrics
 from hf_distca.comm import group_rank_world
 from hf_distca.config import DistCAConfig
-from hf_distca.engine.cost_probe import probe_cost_table
+from hf_distca.engine.cost_probe import TableCase, probe_cost_table
 from hf_distca.engine.link_probe import probe_link
 from hf_distca.engine.state import EngineState, engine_state
 
@@ -48,6 +48,6 @@ def probe(
     probe_link(config, group, device, state)
     if q_heads and kv_heads and head_dim:
         for dtype in dict.fromkeys(dtypes):
-            probe_cost_table(config, group, device, dtype, q_heads, kv_heads, head_dim, state)
+            probe_cost_table(config, group, device, TableCase(dtype, q_heads, kv_heads, head_dim), state)
     if len(state.link_gib_per_s) + len(state.cost_tables) > known:  # probed now, not before
         metrics.record_probe(time.perf_counter() - start)
