@@ -17,7 +17,7 @@ mkdir -p "$out"
 source "$(dirname "$0")/gpu_env.sh"
 export TOKENIZERS_PARALLELISM=false PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 { free -g; cat /sys/fs/cgroup/memory.max 2>/dev/null; } >> "$out/gpus.txt"
-for t in test_gpu_offload test_offload; do
+for t in ${TESTS:-test_gpu_offload test_offload}; do  # TESTS: the test files to run first
     echo "== tests/$t.py"
     timeout 150 python -m pytest -x -q --timeout 120 "tests/$t.py" > "$out/tests_$t.log" 2>&1
     echo "rc=$?" >> "$out/tests_$t.log"; tail -3 "$out/tests_$t.log"
