@@ -94,4 +94,6 @@ def test_one_wait_removed_is_caught():
     names = ["ping_pong:local_first", "layer_ping_pong"]
     results = run_distributed(schedule_case, 2, names, True, 0, timeout=280)
     failures = _check(results, names)
-    assert {f.split(":")[0] for f in failures} >= {f"rank {r} {n}" for r in range(2) for n in names}, failures
+    assert {f.split(": ")[0] for f in failures} >= {f"rank {r} {n}" for r in range(2) for n in names}, (
+        failures
+    )

@@ -44,6 +44,11 @@ class _Chunk:
             torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
             self.pinned = False
 
+    def __del__(self) -> None:
+        # unregistered before its buffer's memory goes back to the host allocator: a later chunk may get
+        # the same addresses, and registering them again fails while they are still registered
+        self.release()
+
 
 class HostArena:
     """Exact-size host views for offloaded tensors, out of chunks reused step after step.
