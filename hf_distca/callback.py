@@ -178,7 +178,17 @@ class DistCACallback(TrainerCallback):
                 "leave out --torch-compile (TrainingArguments(torch_compile=True)) or these options"
             )
         if self.tiled_mlp is not None:
+            from transformers.integrations import is_deepspeed_zero3_enabled
+
             from hf_distca.tiled_mlp import tile_mlp
+
+            if is_deepspeed_zero3_enabled():
+                raise ValueError(
+                    f"tiled_mlp={self.tiled_mlp!r} (--tiled-mlp) does not run under DeepSpeed ZeRO-3: its backward "
+                    "runs each tile's MLP again and returns the parameters' gradients itself, and ZeRO-3 has "
+                    "partitioned those parameters again by then. Leave out --tiled-mlp under ZeRO-3 (--offload-"
+                    "activations works there), or tile the MLP under DDP or FSDP2"
+                )
 
             tile_mlp(model, self.tiled_mlp or None)  # before the Trainer wraps the model
         if trainer.train_dataset is None:

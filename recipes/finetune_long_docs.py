@@ -434,7 +434,8 @@ def check_parallelism(args, training_args) -> None:
         raise ValueError(
             f"--optim {args.optim} would be ignored: the DeepSpeed config {args.deepspeed} defines its own "
             f'optimizer ({holder.config["optimizer"].get("type")}). Remove its "optimizer" section (and set '
-            '"zero_allow_untested_optimizer": true) to step the Trainer\'s optimizer, or leave out --optim'
+            '"zero_allow_untested_optimizer": true, and with "offload_optimizer" "zero_force_ds_cpu_optimizer": '
+            "false) to step the Trainer's optimizer, or leave out --optim"
         )
 
 
@@ -529,6 +530,7 @@ def finish(args, trainer, callback, tokenizer) -> dict:
         layout=args.layout,
         # the engine the Trainer trained: DistributedDataParallel, DeepSpeedEngine, an FSDP2 model class, ...
         wrapped=type(trainer.model_wrapped).__name__,
+        zero_offload=zero_offload(trainer),
         peak_memory_gib=peak_memory_gib(training_args.world_size),
         peak_reserved_gib=peak_memory_gib(training_args.world_size, reserved=True),
         memory=memory_report(args, trainer, callback),
@@ -551,6 +553,13 @@ def finish(args, trainer, callback, tokenizer) -> dict:
         with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
     return summary
+
+
+def zero_offload(trainer) -> dict[str, bool]:
+    """Whether DeepSpeed ZeRO-3 kept this run's weights (``param``) and optimizer state (``optimizer``) in
+    host memory: the flags of its ZeRO-3 optimizer (both False under any other parallelism)."""
+    optimizer = getattr(trainer.model_wrapped, "optimizer", None)
+    return {what: bool(getattr(optimizer, f"offload_{what}", False)) for what in ("param", "optimizer")}
 
 
 def memory_report(args, trainer, callback) -> dict:

@@ -116,16 +116,27 @@ LOOP_TOKENS = 1024  # tokens per micro-batch over all ranks
 LOOP_STEPS, LOOP_ACCUM = 2, 2
 
 
-def _train_loop(rank: int, world: int, ping_pong: bool | str, shard: bool, relay: bool = False) -> dict:
+def _train_loop(
+    rank: int,
+    world: int,
+    ping_pong: bool | str,
+    shard: bool,
+    relay: bool = False,
+    offload: bool = False,
+    memory: bool = False,
+) -> dict:
     """The training loop of recipes/accelerate_loop.py (same global batches on any world size, loss
     token-weighted over the whole global batch) with the model sharded by FSDP2 when ``shard``.
 
     Returns the per-step losses, the full final weights (gathered from the shards) and the engine's
     counters of the run. ``ping_pong``: attention-level (True), off (False) or ``"layers"`` (layer-level:
     each micro-batch as two nano-batches whose forwards interleave, :func:`hf_distca.nano_batch_loss`);
-    ``relay``: KV through the relay over nodes of 2 ranks (``DistCAConfig(kv_relay=True)``)."""
+    ``relay``: KV through the relay over nodes of 2 ranks (``DistCAConfig(kv_relay=True)``); ``offload``: the
+    shards in host memory (FSDP2's ``CPUOffloadPolicy``, accelerate_configs/fsdp2_offload.yaml); ``memory``:
+    rematerialization-aware checkpointing with every layer input offloaded, layer 0's attention output
+    dropped and layer 1's kept in host memory, and the MLP in tiles of 16 tokens."""
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
     from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -148,10 +159,17 @@ def _train_loop(rank: int, world: int, ping_pong: bool | str, shard: bool, relay
             shard_tokens=64, ping_pong=ping_pong is True, ranks_per_node=2 if relay else None, kv_relay=relay
         ),
     )
+    if memory:
+        hf_distca.enable_remat_checkpointing(model)
+        hf_distca.tile_mlp(model, 16)
+        options = hf_distca.OffloadOptions(inputs=True, kept_attention=("drop", "host"), min_bytes=0)
+        memory_offload = hf_distca.offload_activations(model, options)
     if shard:  # one FSDP2 unit per decoder layer, the rest (embeddings, norm, head) in the root unit
+        # pinned host memory needs an accelerator; on the CPU the policy still moves every shard's copy
+        policy = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if offload else {}
         for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, **policy)
+        fully_shard(model, **policy)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     metrics.reset()
     losses = []
@@ -181,7 +199,14 @@ def _train_loop(rank: int, world: int, ping_pong: bool | str, shard: bool, relay
         n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
         for n, p in model.named_parameters()
     }
+    offloaded = memory_offload.report()["offloaded_tensors"] if memory else 0
+    # the units whose shards FSDP2 keeps in host memory (its parameter groups' own flag)
+    groups = [
+        m._get_fsdp_state()._fsdp_param_group for m in model.modules() if shard and hasattr(m, "unshard")
+    ]
+    offloaded_units = sum(all(p.offload_to_cpu for p in g.fsdp_params) for g in groups if g is not None)
     return {"losses": losses, "weights": weights, "sharded": sharded, "bytes_sent": stats.bytes_sent,
+            "offloaded_tensors": offloaded, "offloaded_units": offloaded_units,
             "attn_fwd_kernels": stats.attn_fwd_kernels, "layer_weights": layer_weights,
             "exchanges": stats.exchanges, "calls": stats.calls}  # fmt: skip
 
@@ -285,8 +310,10 @@ def test_recipe_refuses_optim_that_deepspeed_would_ignore(tmp_path):
     recipe = _recipe()
     repo_config = os.path.join(ROOT, "accelerate_configs", "ds_zero3.json")
     try:
+        offload_config = os.path.join(ROOT, "accelerate_configs", "ds_zero3_offload.json")
         for config, optim, refused in ((repo_config, "sgd", True), (repo_config, None, False),
-                                       (_zero3_sgd_config(tmp_path / "sgd.json"), "sgd", False)):  # fmt: skip
+                                       (_zero3_sgd_config(tmp_path / "sgd.json"), "sgd", False),
+                                       (offload_config, "sgd", True), (offload_config, None, False)):  # fmt: skip
             optim_argv = ["--optim", optim] if optim else []
             argv = ["--output-dir", str(tmp_path), "--deepspeed", config, *optim_argv]
             args = recipe.parse_args(argv)
