@@ -40,6 +40,7 @@ from hf_distca.config import DistCAConfig
 from hf_distca.data.nano import NANO_BATCHES
 from hf_distca.engine import EngineState, core_attention, engine_state, interleave, local_attention, probe
 from hf_distca.engine.compiled import compiled_core_attention, compiled_local_attention, register_runtime
+from hf_distca.engine.consistency import PADDED_ROW, SEVERAL_ROWS, CallerInputError
 from hf_distca.engine.pricing import with_layer_pricing
 from hf_distca.features import UnsupportedFeatureError, check_attention_call
 from hf_distca.packing import Unpadded, scatter_rows
@@ -273,14 +274,15 @@ def _run_distributed(
 ) -> torch.Tensor:
     runtime = _layout_runtime(module)
     batch, _, seq, _ = query.shape
+    # a batch of several rows or with padding can be one rank's alone: the engine raises it on every rank
+    # together, at its consistency check, instead of this rank leaving the others in a collective
+    problem = None
     if batch != 1:
-        raise ValueError(
-            f"with a distca_layout the batch must be one packed row (1, S), got batch size {batch}; "
-            "use DataCollatorWithFlattening / the distca collator"
-        )
-    mask = padding_mask(attention_mask, batch, seq)
-    if mask is not None and not bool(mask.bool().all()):
-        raise ValueError("with a distca_layout the packed row must not be padded; drop the attention_mask")
+        problem = CallerInputError(SEVERAL_ROWS)
+    else:
+        mask = padding_mask(attention_mask, batch, seq)
+        if mask is not None and not bool(mask.bool().all()):
+            problem = CallerInputError(PADDED_ROW)
     out = core_attention(
         _flat(query),
         _flat(key),
@@ -291,8 +293,9 @@ def _run_distributed(
         scale=scaling,
         all_pieces=layout.all_pieces,  # the same object for every layer: ranks are checked once per layout
         state=runtime.state,
+        caller_error=problem,
         **_score_options(kwargs),  # this layer's window, softcap, sinks
-    )  # (S, Hq, D)
+    )  # (B * S, Hq, D): (S, Hq, D) unless the engine raised
     interleave.attention_done(module)  # a nano-batch resumes the rest of its layer
     return out.view(batch, seq, *out.shape[1:])  # (1, S, Hq, D)
 

@@ -96,14 +96,25 @@ def replay_schedules(world: int, ranks_per_node: int, names: list[str], fill: fl
     return replay(rank_steps, world, ranks_per_node, [(n, n, None) for n in names], fill=fill, warm=warm)
 
 
+def plan_comparisons(log: list[dict]) -> int:
+    """The all-gathers of one plan digest (a single int64) in ``log``: the engine's comparison of each new plan."""
+    return sum(
+        1 for e in log if e["op"] == "all_gather" and e["shape"] == [1] and e["dtype"] == "torch.int64"
+    )
+
+
 def assert_one_run(world: int, ranks_per_node: int, names: list[str]) -> dict[str, dict[str, int]]:
     logs = replay_schedules(world, ranks_per_node, names)
     counts = {}
     for name in names:
-        problems = check_logs(logs[name])
+        problems = check_logs(logs[name])  # the comparisons too: the same calls on every rank
         assert not problems, f"{world} ranks, {name}:\n" + "\n".join(problems)
         counts[name] = summary(logs[name])
         assert counts[name].get(A2A, 0) > 0 and counts[name].get("plan", 0) > 0, (name, counts[name])
+    # the first schedule's process met every plan new: each one compared once (not per layer or recompute)
+    first = logs[names[0]][0]
+    plans = {(e["digest"], e["window"]) for e in first if e["op"] == "plan"}
+    assert plan_comparisons(first) == len(plans) > 0, (names[0], plan_comparisons(first), len(plans))
     return counts
 
 
@@ -142,8 +153,10 @@ def test_a_rank_that_diverges_is_reported():
     """Negative controls: one rank with a batch a document short, one with another shard size (both
     caught by the engine's consistency check on a real group; the recording group shows each rank only
     its own vector, so only the checker can tell)."""
-    logs = replay(rank_steps, 8, 4, [(what, "serial", odd) for what, odd in ODD.items()], warm=warm)
     for what, odd in ODD.items():
+        # a replay each: a rank's engine state remembers the plans it compared, so an odd rank's history
+        # would show in the next control's log too (on a real group the first control raised on every rank)
+        logs = replay(rank_steps, 8, 4, [(what, "serial", odd)], warm=warm)
         problems = check_logs(logs[what])
         assert problems, f"{what}: a rank with other inputs replayed like the others"
         assert any(f"rank(s) [{odd['rank']}]" in p for p in problems), (what, problems)

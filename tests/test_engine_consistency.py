@@ -96,7 +96,8 @@ def _worker(rank: int, world: int, marker_dir: str) -> list[dict]:
             results.append({"error": None, "seconds": time.perf_counter() - start})
         except Exception as err:  # noqa: BLE001 - reported to the parent, which asserts on it
             seconds = time.perf_counter() - start
-            results.append({"error": type(err).__name__, "message": str(err), "seconds": seconds})
+            message = "\n".join([str(err), *getattr(err, "__notes__", [])])  # a note: what one rank can tell
+            results.append({"error": type(err).__name__, "message": message, "seconds": seconds})
         if rank != ODD:
             open(os.path.join(marker_dir, f"{i}.{rank}"), "w").close()
         else:  # alive and outside any collective until every other rank has raised (or given up)

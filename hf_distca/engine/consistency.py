@@ -32,13 +32,36 @@ class InconsistentInputError(ValueError):
     input is malformed (its own error names the problem)."""
 
 
+class PlanMismatchError(InconsistentInputError):
+    """The ranks of the attention group made different plans from inputs that passed the check (a cost
+    model, sliding window or planner that differs between ranks): every rank raises it, the same text."""
+
+
 # local validation outcome (the "status" entry of the vector)
 OK, BAD_TENSORS, BAD_PIECES, BAD_ALL_PIECES = 0, 1, 2, 3
+SEVERAL_ROWS, PADDED_ROW = 4, 5
+"""Caller statuses: what the engine's caller (the attention function) found wrong with a rank's call."""
 _STATUS_TEXT = {
     BAD_TENSORS: "malformed q/k/v tensors",
     BAD_PIECES: "pieces that do not describe its local rows",
     BAD_ALL_PIECES: "an all_pieces list that does not match its own pieces or the group size",
+    SEVERAL_ROWS: "a distca_layout with a batch of several rows (the layout describes one packed row (1, S): "
+    "use DataCollatorWithFlattening or DistCA's data path)",
+    PADDED_ROW: "a distca_layout with a padded packed row (its attention_mask marks padding, but every token "
+    "of the layout is a real one: drop the attention_mask)",
 }
+
+
+class CallerInputError(InconsistentInputError):
+    """What the engine's caller found wrong with this rank's call (a caller status); handed to the engine
+    (``core_attention(caller_error=...)``), which raises it on every rank of the group together, with the
+    same text, at the consistency check."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(_STATUS_TEXT[status])
+        self.status = status
+
+
 _DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 
 
@@ -95,9 +118,13 @@ def describe_inputs(
     all_pieces: Sequence[Sequence[Sequence[int]]] | None,
     rank: int,
     world: int,
+    caller_error: CallerInputError | None = None,
 ) -> LocalInputs:
-    """Validate this rank's inputs; an invalid input sets ``status``/``error`` instead of raising."""
+    """Validate this rank's inputs; an invalid input sets ``status``/``error`` instead of raising
+    (``caller_error`` first: it explains the rest, e.g. several rows make the row count wrong)."""
     info = LocalInputs(rank=rank, world=world)
+    if caller_error is not None:
+        info.fail(caller_error.status, caller_error)
     try:
         if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
             raise ValueError(
@@ -150,6 +177,7 @@ def describe_inputs(
 
 
 # ------------------------------------------------------------------------------------ the vector
+_CALLER_STATUSES = (SEVERAL_ROWS, PADDED_ROW)
 _HEAD = ["status", "rows", "piece_rows", "dtype", "q_heads", "kv_heads", "head_dim", "pieces", "all_pieces"]
 _AT = {name: i for i, name in enumerate(_HEAD)}  # position of each entry in the vector
 _TAG_NONE, _TAG_INT, _TAG_FLOAT, _TAG_STR, _TAG_OTHER = range(5)
@@ -222,18 +250,23 @@ def raise_on_disagreement(
     ranks decide alike; ``compare_all_pieces``: whether the vectors carry an all_pieces digest."""
     failed = [r for r, vec in enumerate(vectors) if vec[_AT["status"]] != OK]
     if failed:
-        info.raise_if_failed()  # this rank's own, detailed error
-        reasons = []
+        if info.status not in _CALLER_STATUSES:
+            info.raise_if_failed()  # this rank's own, detailed error
+        reasons, detailed = [], []
         for r in failed:
             status, rows, piece_rows = (vectors[r][_AT[n]] for n in ("status", "rows", "piece_rows"))
             text = _STATUS_TEXT.get(status, f"error code {status}")
             if status == BAD_PIECES and rows >= 0 and piece_rows >= 0:
                 text += f" (its pieces cover {piece_rows} tokens but its q holds {rows})"
             reasons.append(f"rank {r} passed {text}")
+            if status not in _CALLER_STATUSES:
+                detailed.append(r)
+        see = f"; see the error raised on rank(s) {detailed}" if detailed else ""
+        # a caller status is described in full here: every rank, that one included, raises this same text
         raise InconsistentInputError(
-            f"core_attention: {'; '.join(reasons)}; see the error raised on rank(s) {failed}. Every rank of "
-            "the attention group stops here instead of waiting for them."
-        )
+            f"core_attention: {'; '.join(reasons)}{see}. Every rank of the attention group stops here instead "
+            "of waiting for them."
+        ) from info.error
     if not compare_inputs:
         return
     problems = []
@@ -251,7 +284,7 @@ def raise_on_disagreement(
             else f"this rank's (rank {info.rank}) all_pieces agrees with every rank's own pieces"
         )
         groups = _by_value([f"digest {vec[_AT['all_pieces']] & 0xFFFFFFFF:08x}" for vec in vectors])
-        problems.append(f"all_pieces differs between ranks ({groups}); {here}")
+        problems.append(f"all_pieces differs between ranks ({groups})")
     known = {digest64(b): repr(b) for b in KERNEL_BACKENDS}  # names for string digests
     offset = len(_HEAD)
     for j, (name, value) in enumerate(_config_fields(config)):
@@ -262,9 +295,26 @@ def raise_on_disagreement(
             values = [_decode(t, p, known) for t, p in tags]
             problems.append(f"DistCAConfig.{name}: {_by_value(values)}")
     if problems:
-        raise InconsistentInputError(
+        error = InconsistentInputError(
             f"core_attention: the {len(vectors)} ranks of the attention group disagree on their inputs: "
             + " | ".join(problems)
             + ". Every rank must use the same DistCAConfig, dtype and model shape, and the same all_pieces "
             "(each rank's entry equal to that rank's pieces)."
         )
+        if compare_all_pieces and len({vec[_AT["all_pieces"]] for vec in vectors}) > 1:
+            error.add_note(here)  # what only this rank can tell: the message itself is every rank's
+        raise error
+
+
+def raise_on_plan_mismatch(digests: list[int]) -> None:
+    """Raise :class:`PlanMismatchError` on every rank (the same text) when the ranks' plan digests
+    ``digests`` (every rank's, in rank order: identical on all ranks) differ."""
+    if len(set(digests)) == 1:
+        return
+    groups = _by_value([f"digest {d & 0xFFFFFFFF:08x}" for d in digests])
+    raise PlanMismatchError(
+        f"core_attention: the {len(digests)} ranks of the attention group made different plans of one micro-batch "
+        f"from inputs that passed the consistency check ({groups}). Every rank must plan with the same cost "
+        "model (cost_table, the probes' results), sliding windows and hf_distca version; every rank stops here "
+        "instead of exchanging rows under different plans."
+    )

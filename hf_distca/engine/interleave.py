@@ -155,6 +155,10 @@ def run_interleaved(
     errors: list[BaseException | None] = [None] * len(fns)
     enter = _thread_state()
 
+    # no failure of its own that one rank alone meets: the order of turns is the program's, so an error
+    # every rank raises together (the engine's checks) stops the same nano-batch at the same point on
+    # every rank, and the others abort at their next switch, the same one everywhere; an error of one
+    # rank alone (e.g. out of memory) is that rank's, as without an interleave
     def body(index: int) -> None:
         _local.interleave, _local.index = inter, index
         failed = False

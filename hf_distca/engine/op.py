@@ -53,6 +53,7 @@ import torch
 from hf_distca import metrics
 from hf_distca.config import DistCAConfig
 from hf_distca.engine import interleave, stages
+from hf_distca.engine.consistency import CallerInputError
 from hf_distca.engine.layer_op import interleaved_core_attention
 from hf_distca.engine.ping_pong import PartSplit, ping_pong_parts, whole
 from hf_distca.engine.prepare import PreparedAttention, prepare
@@ -250,6 +251,7 @@ def core_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     state: EngineState | None = None,
+    caller_error: CallerInputError | None = None,
 ) -> torch.Tensor:
     """Causal per-document attention of this rank's queries, computed by balanced attention servers.
 
@@ -268,6 +270,8 @@ def core_attention(
     parallelism sums parameter gradients, is the gradient).
     state: the engine state whose caches and probe results it uses (None: the process's,
     :func:`hf_distca.engine.state.engine_state`; a model's runtime passes its own).
+    caller_error: what the caller found wrong with this rank's call (the attention function: a padded or
+    several-row batch with a layout); raised on every rank of the group together, at the consistency check.
     Returns (T_local, H_q, D), differentiable w.r.t. q, k, v (and sinks). Inside a rematerialization-aware
     checkpoint recompute, returns the output kept from the forward (no planning, no communication).
     """
@@ -276,8 +280,9 @@ def core_attention(
         return _replay(q, k, v, saved, sinks)
     config = config or DistCAConfig()
     prepared = prepare(
-        q, k, v, pieces, group=group, config=config, all_pieces=all_pieces, window=window, state=state
-    )
+        q, k, v, pieces, group=group, config=config, all_pieces=all_pieces, window=window, state=state,
+        caller_error=caller_error,
+    )  # fmt: skip
     metrics.record_call(prepared.flops_before, prepared.flops_after)
     here = interleave.current()
     if here is not None:  # a nano-batch of an interleaved forward: its exchanges around the other's work

@@ -54,6 +54,11 @@ class PlanContext:
             self.config.plan_fields(), repr(self.cost_model), self.window,
         )  # fmt: skip
 
+    def common_key(self, digest: int) -> tuple:
+        """:meth:`key` without this rank's number: the same on every rank planning the same inputs."""
+        key = self.key(digest)
+        return (key[0], *key[2:])
+
     def plan(self, all_pieces: list[Pieces]) -> CorePlan:
         """The plan of ``all_pieces`` (every rank's normalized pieces) in this context."""
         return plan_core_attention(

@@ -10,7 +10,12 @@ ranks agree on even when their inputs differ:
   ``all_pieces`` object (by identity), one all-gather of the check vector;
 - ``all_pieces`` not given: the engine all-gathers the pieces on every call anyway, and the check vector
   travels in the same all-gather as the piece counts.
-A cache hit on one rank and a miss on another therefore never changes which collectives run. The caches
+A new plan (a layout and window first planned, in the Transformers path at the first attention call of
+a micro-batch) is then compared across the ranks: one all-gather of its digest
+(:func:`compare_plan`), every rank raising the same :class:`~hf_distca.engine.consistency.PlanMismatchError`
+when they differ. A cache hit on one rank and a miss on another therefore never changes which collectives
+run: both are decided by what every rank holds alike (the layout object, the plan's inputs), never by
+a rank's caches. The caches
 live in the :class:`~hf_distca.engine.state.EngineState` (``state``); the probes' results (measured link,
 kernel-cost table) are read from it, never measured here.
 """
@@ -29,17 +34,21 @@ from hf_distca import metrics
 from hf_distca.comm import all_gather_padded, all_gather_rows, collective_device, group_rank_world
 from hf_distca.config import DistCAConfig, cost_model_from_config
 from hf_distca.engine.consistency import (
+    CallerInputError,
     LocalInputs,
     Pieces,
     check_vector,
     describe_inputs,
+    digest64,
     raise_on_disagreement,
+    raise_on_plan_mismatch,
 )
 from hf_distca.engine.cost_probe import auto_cost_table
 from hf_distca.engine.link_probe import with_measured_link
 from hf_distca.engine.prefetch import PlanContext, pieces_digest
 from hf_distca.engine.state import (
     CHECKED_LAYOUTS,
+    COMPARED_PLANS,
     PLAN_CACHE_SIZE,
     CheckedLayout,
     EngineState,
@@ -86,6 +95,8 @@ class PreparedAttention:
     """Per server, forward core-attention FLOPs of one call without balancing (each rank its own pieces)."""
     flops_after: list[float]
     """Per server, forward FLOPs of one call as planned."""
+    common_key: tuple = ()
+    """The plan's cache key without this rank's number (:meth:`~hf_distca.engine.prefetch.PlanContext.common_key`)."""
     part_splits: dict[tuple[int, str], Any] = field(default_factory=dict)
     """Its ping-pong parts by (shard_tokens, split), cached by :func:`hf_distca.engine.ping_pong.ping_pong_parts`."""
     _on_device: dict[str, DeviceIndex] = field(default_factory=dict)
@@ -151,28 +162,35 @@ def prepare(
     all_pieces: Sequence[Sequence[Sequence[int]]] | None = None,
     window: int | None = None,
     state: EngineState | None = None,
+    caller_error: CallerInputError | None = None,
 ) -> PreparedAttention:
     """The plan and index tensors of this call (see the module docstring for when ranks are checked);
     ``window``: the layer's sliding window (plans are cached per window: local and global layers of one
-    micro-batch plan once each); ``state``: the engine state caching them (None: the process's).
+    micro-batch plan once each); ``state``: the engine state caching them (None: the process's);
+    ``caller_error``: what the caller found wrong with this rank's call, raised on every rank together.
 
     Collective on ``group`` when the inputs are new (see above); raises on every rank of the group
-    together when any rank's input is malformed or the ranks disagree."""
+    together when any rank's input is malformed, the ranks disagree, or their plans differ."""
     state = state if state is not None else engine_state()
     rank, world = group_rank_world(group)
     if world == 1:
-        info = describe_inputs(q, k, v, pieces, all_pieces, 0, 1)
+        info = describe_inputs(q, k, v, pieces, all_pieces, 0, 1, caller_error)
         info.raise_if_failed()
         everyone = info.all_pieces if info.all_pieces is not None else [info.pieces]
         digest = pieces_digest(everyone)
     elif all_pieces is None:
-        info = describe_inputs(q, k, v, pieces, None, rank, world)
+        info = describe_inputs(q, k, v, pieces, None, rank, world, caller_error)
         everyone = _gather_pieces(info, config, group, q.device)
         digest = pieces_digest(everyone)
     else:
         seen = _checked(state, all_pieces, group_key(group))
+        if seen is not None and caller_error is not None:
+            # the caller's errors are properties of the forward (its batch, its mask), the same for every
+            # layer, and the layout's first call checked them on every rank together: a layout object
+            # reused for another forward is the caller's bug (pass a new one per micro-batch)
+            raise caller_error
         if seen is None:
-            info = describe_inputs(q, k, v, pieces, all_pieces, rank, world)
+            info = describe_inputs(q, k, v, pieces, all_pieces, rank, world, caller_error)
             if config.check_consistency:
                 metrics.record_check()
                 vectors = all_gather_rows(check_vector(info, config), group, q.device)
@@ -186,12 +204,37 @@ def prepare(
         config = with_measured_link(config, group, state)  # the link probe's figure (probed before)
     auto_table = auto_cost_table(config, group, q, k, state)  # cost_table="auto": the probe's table
     prepared = _planned(everyone, digest, rank, q, k, config, window, auto_table, state=state)
+    if world > 1 and config.check_consistency:
+        compare_plan(prepared, group, q.device, state)
+    # the first call with a layout checked (every rank together) that its rows are q's; a later call with
+    # the same object and other rows reuses one layout for two micro-batches, a caller's bug this check
+    # names (it can be rank-local: only a collective per call could decide it together, which the layers
+    # of a micro-batch do not pay for; the data path builds one layout per micro-batch, so never here)
     if prepared.num_local != q.shape[0]:
         raise ValueError(
             f"rank {rank}: q holds {q.shape[0]} rows but this micro-batch's pieces give it {prepared.num_local}; "
             "pass a new all_pieces object for each micro-batch"
         )
     return prepared
+
+
+def compare_plan(prepared: PreparedAttention, group: Any, device: torch.device, state: EngineState) -> None:
+    """Compare ``prepared``'s plan with every rank's (one all-gather of its digest) the first time the
+    ranks of ``group`` meet its plan key; raise the same error on every rank when they differ.
+
+    Here rather than before the step: a plan depends on the layer's heads, dtype, window and the probed
+    cost model, which only the attention call knows, and every rank of the group reaches this point
+    for the same layers in the same order. Whether a key was met is decided by :attr:`EngineState.compared_plans`
+    (kept by ``reset``), never by the plan cache, so a cache cleared on one rank changes no collective."""
+    key = (group_key(group), *prepared.common_key)
+    if key in state.compared_plans:
+        state.compared_plans.move_to_end(key)
+        return
+    digests = [row[0] for row in all_gather_rows([digest64(prepared.plan.digest())], group, device)]
+    raise_on_plan_mismatch(digests)  # the same digests on every rank: the same decision, the same text
+    state.compared_plans[key] = None
+    while len(state.compared_plans) > COMPARED_PLANS:
+        state.compared_plans.popitem(last=False)
 
 
 def _checked(state: EngineState, all_pieces: Any, group: tuple) -> CheckedLayout | None:
@@ -267,6 +310,7 @@ def _planned(
         cu_seqlens_k=torch.as_tensor(index.cu_seqlens_k, dtype=torch.int32),
         flops_before=[x * flops_per_pair for x in plan.pairs_before],
         flops_after=[x * flops_per_pair for x in plan.pairs_after],
+        common_key=context.common_key(digest),
     )
     state.plans[key] = prepared
     if len(state.plans) > PLAN_CACHE_SIZE:

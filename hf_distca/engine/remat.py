@@ -215,6 +215,10 @@ def take_saved_attention(rows: int) -> SavedAttention | None:
     if not stack or stack[-1][0] != _RECOMPUTE:
         return None
     frame = stack[-1][1]
+    # rank-local checks, and left so: the calls of a checkpointed layer and their rows follow from the
+    # layer's code and its saved inputs, the same in forward and recompute on a deterministic layer on
+    # every rank; they fail only for a layer that is not deterministic (a model bug, which may show on
+    # one rank only). Deciding that together would need a collective in every layer's recompute
     if frame.cursor >= len(frame.saved):
         raise RuntimeError(
             f"rematerialization-aware checkpointing: the recompute calls attention {frame.cursor + 1} times but "

@@ -26,6 +26,8 @@ PLAN_CACHE_SIZE = 8
 """Prepared micro-batches kept (the layers of one micro-batch hit: its nano-batches, its sliding windows)."""
 CHECKED_LAYOUTS = 16
 """Layout objects remembered as checked across ranks."""
+COMPARED_PLANS = 32
+"""Plans remembered as compared across ranks (a micro-batch's nano-batches x windows, a few ahead)."""
 RUNNER_CACHE_SIZE = 16
 """Runners of the compiled attention ops kept."""
 
@@ -61,6 +63,10 @@ class EngineState:
     checked_layouts: list[CheckedLayout] = field(default_factory=list)
     """The layout objects checked across ranks, the latest last, at most :data:`CHECKED_LAYOUTS`; every
     rank of a group checks the same objects at the same calls, so :meth:`reset` keeps them."""
+    compared_plans: OrderedDict[tuple, None] = field(default_factory=OrderedDict)
+    """The plans whose digests the ranks of a group compared, by group and plan key without the rank,
+    the latest last, at most :data:`COMPARED_PLANS`; like :attr:`checked_layouts`, every rank of a group
+    meets the same keys in the same order, so :meth:`reset` keeps them."""
     link_gib_per_s: dict[GroupKey, float] = field(default_factory=dict)
     """The link probe's figure per group (:func:`hf_distca.engine.link_probe.probe_link`)."""
     cost_tables: dict[tuple, Any] = field(default_factory=dict)
@@ -88,7 +94,7 @@ class EngineState:
         """Forget what was derived from inputs: plans, compiled runners, prefetched plans and the attention
         function's document boundaries (the next call
             plans again; the prefetch worker keeps running). Rank-local and safe on any subset of ranks: what
-            the ranks agreed on together (checked layouts, probe results) is kept, so no rank runs a collective
+            the ranks agreed on together (checked layouts, compared plans, probe results) is kept, so no rank runs a collective
             the others skip; probe again to measure again."""
         self.plans.clear()
         self.runners.clear()
