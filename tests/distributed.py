@@ -51,6 +51,19 @@ def check_cases(cases: list[dict], results: list, checks: dict[str, Callable[[di
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def mark_or_wait(marker_dir: str, tag: str, rank: int, world: int, odd: int, timeout: float) -> None:
+    """After a case that must raise on every rank: a rank other than ``odd`` leaves a marker file; rank
+    ``odd`` stays alive, outside any collective, until every other rank has left its marker (or ``timeout``
+    seconds), so that the others' errors cannot come from ``odd`` having exited."""
+    if rank != odd:
+        open(os.path.join(marker_dir, f"{tag}.{rank}"), "w").close()
+        return
+    deadline = time.perf_counter() + timeout
+    others = [os.path.join(marker_dir, f"{tag}.{r}") for r in range(world) if r != odd]
+    while not all(os.path.exists(p) for p in others) and time.perf_counter() < deadline:
+        time.sleep(0.01)
+
+
 def skip_deepspeed_shm_build() -> None:
     """Mark DeepSpeed's shared-memory CPU all-reduce op as not buildable in this process.
 

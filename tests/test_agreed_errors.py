@@ -13,13 +13,12 @@ layer), and a plan cache cleared on one rank changes no collective.
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_distributed
+from distributed import mark_or_wait, run_distributed
 from oracle import random_qkv
 from test_engine_remat import docs_of, tiny_llama
 
@@ -94,13 +93,7 @@ def _worker(rank: int, world: int, marker_dir: str) -> dict:
             results[name] = {"error": type(err).__name__, "message": str(err)}
         results[name]["seconds"] = time.perf_counter() - start
         model.zero_grad(set_to_none=True)
-        if rank != ODD:
-            open(os.path.join(marker_dir, f"{name}.{rank}"), "w").close()
-        else:  # alive and outside any collective until the other ranks have raised (or given up)
-            deadline = time.perf_counter() + WAIT_FOR_OTHERS
-            others = [os.path.join(marker_dir, f"{name}.{r}") for r in range(world) if r != ODD]
-            while not all(os.path.exists(p) for p in others) and time.perf_counter() < deadline:
-                time.sleep(0.01)
+        mark_or_wait(marker_dir, name, rank, world, ODD, WAIT_FOR_OTHERS)
     # the normal path: a step trains; each new plan compared once, whatever the layers and the caches
     dist.barrier()
     state = engine_state()

@@ -11,12 +11,11 @@ cache cleared on one rank only changes nothing.
 
 from __future__ import annotations
 
-import os
 import time
 
 import torch
 import torch.distributed as dist
-from distributed import run_distributed
+from distributed import mark_or_wait, run_distributed
 from oracle import random_qkv
 
 from hf_distca import DistCAConfig, core_attention, metrics
@@ -98,13 +97,7 @@ def _worker(rank: int, world: int, marker_dir: str) -> list[dict]:
             seconds = time.perf_counter() - start
             message = "\n".join([str(err), *getattr(err, "__notes__", [])])  # a note: what one rank can tell
             results.append({"error": type(err).__name__, "message": message, "seconds": seconds})
-        if rank != ODD:
-            open(os.path.join(marker_dir, f"{i}.{rank}"), "w").close()
-        else:  # alive and outside any collective until every other rank has raised (or given up)
-            deadline = time.perf_counter() + WAIT_FOR_OTHERS
-            others = [os.path.join(marker_dir, f"{i}.{r}") for r in range(world) if r != ODD]
-            while not all(os.path.exists(p) for p in others) and time.perf_counter() < deadline:
-                time.sleep(0.01)
+        mark_or_wait(marker_dir, str(i), rank, world, ODD, WAIT_FOR_OTHERS)
     # the group still works; one check per layout object, however many layers use it
     dist.barrier()
     metrics.reset()

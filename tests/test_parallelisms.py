@@ -245,6 +245,20 @@ def test_fsdp2_loop_matches_one_process():
         assert kernels[True] > kernels[False] and kernels["layers"] > kernels[False], (rank, kernels)
 
 
+def assert_matches_reference(run: dict, reference: dict, label: str) -> None:
+    """A training loop's losses and final weights (``run``) against the one-process ``reference``, within
+    the train_loss and train_weights tolerances."""
+    for got, want in zip(run["losses"], reference["losses"], strict=True):
+        assert abs(got - want) <= TOL["train_loss"][0] * abs(want), (
+            label,
+            run["losses"],
+            reference["losses"],
+        )
+    for name, w in run["weights"].items():
+        want = reference["weights"][name]
+        torch.testing.assert_close(w, want, rtol=0, atol=TOL["train_weights"][1], msg=f"{label}: {name}")
+
+
 def _fsdp2_relay_worker(rank: int, world: int) -> dict:
     return _train_loop(rank, world, ping_pong="layers", shard=True, relay=True)
 
@@ -258,20 +272,7 @@ def test_fsdp2_loop_through_the_relay_matches_one_process():
 
     reference = _train_loop(0, 1, ping_pong=False, shard=False)
     for rank, run in enumerate(run_distributed(_fsdp2_relay_worker, 4, timeout=600.0)):
-        for got, want in zip(run["losses"], reference["losses"], strict=True):
-            assert abs(got - want) <= TOL["train_loss"][0] * abs(want), (
-                rank,
-                run["losses"],
-                reference["losses"],
-            )
-        for name, w in run["weights"].items():
-            torch.testing.assert_close(
-                w,
-                reference["weights"][name],
-                rtol=0,
-                atol=TOL["train_weights"][1],
-                msg=f"rank {rank}: {name}",
-            )
+        assert_matches_reference(run, reference, f"rank {rank}")
         assert run["exchanges"] > 4 * run["calls"], (rank, run["exchanges"], run["calls"])
 
 
