@@ -108,23 +108,20 @@ class Chain:
         return [exchange.wait() for exchange in self.exchanges]
 
 
-_side_streams: dict[str, Any] = {}
-
-
-def chain(first: Exchange, then: Callable[[torch.Tensor], Exchange] | None = None) -> Chain:
-    """``first``, then the exchange ``then`` starts from first's received buffer. On CUDA ``then`` runs on a
-    side stream that waits for the first stage, so neither the host nor the current stream waits: both
-    stages fly back to back behind whatever the current stream runs meanwhile. On the CPU the host waits
-    for the first stage before starting the second (gloo has no streams). Either way every rank starts the
-    stages at the same point of its program, as collectives must."""
+def chain(first: Exchange, then: Callable[[torch.Tensor], Exchange] | None = None, side: Any = None) -> Chain:
+    """``first``, then the exchange ``then`` starts from first's received buffer. On CUDA ``then`` runs on
+    ``side`` (a CUDA stream of first's device, the caller's to own) after it waits for the first stage, so
+    neither the host nor the current stream waits: both stages fly back to back behind whatever the
+    current stream runs meanwhile. On the CPU the host waits for the first stage before starting the
+    second (gloo has no streams). Either way every rank starts the stages at the same point of its
+    program, as collectives must."""
     if then is None:
         return Chain([first])
     if not first.recv.is_cuda:
         return Chain([first, then(first.wait())])
-    device = first.recv.device
-    side = _side_streams.get(str(device))
     if side is None:
-        side = _side_streams[str(device)] = torch.cuda.Stream(device)
+        raise ValueError("chain: a CUDA chain needs the side stream its later stage runs on (side=)")
+    device = first.recv.device
     current = torch.cuda.current_stream(device)
     side.wait_stream(current)
     with torch.cuda.stream(side):
@@ -133,7 +130,10 @@ def chain(first: Exchange, then: Callable[[torch.Tensor], Exchange] | None = Non
         second = then(first.recv)
         started = torch.cuda.Event()
         started.record(side)
-    second.recv.record_stream(current)  # made on the side stream, read on the current one
+    # both buffers were made on the side stream and are released after a wait on the current one: their
+    # memory is reused only once the current stream has passed that point
+    second.recv.record_stream(current)
+    second.send.record_stream(current)
     return Chain([first, second], started)
 
 

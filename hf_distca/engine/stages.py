@@ -35,6 +35,7 @@ import torch
 from hf_distca import metrics
 from hf_distca.comm import Chain, Exchange, all_to_all_v, chain
 from hf_distca.engine.prepare import PreparedAttention
+from hf_distca.engine.state import engine_state
 from hf_distca.kernels import (
     ForwardTensors,
     VarlenOffsets,
@@ -184,6 +185,12 @@ def _relay_forward(prep: PreparedAttention, phase: str, q_streams: int, group: A
     return forward
 
 
+def _side_stream(device: torch.device) -> Any:
+    """The stream a chained exchange's later stage starts on (the engine state's, per CUDA device); None
+    on the CPU, where chain() runs the stages one after the other on the host."""
+    return engine_state().side_stream(device) if device.type == "cuda" else None
+
+
 # ------------------------------------------------------------------------------------------- forward
 def dispatch(
     prep: PreparedAttention,
@@ -206,7 +213,7 @@ def dispatch(
         (v.index_select(0, kv_rows), ix.send_kv_counts),  # (Nkv, Hkv, D)
     ]
     first = _start(FWD_DISPATCH, streams, _received_counts(prep, 1)[0], group, async_op)
-    return chain(first, _relay_forward(prep, FWD_DISPATCH, 1, group, async_op))
+    return chain(first, _relay_forward(prep, FWD_DISPATCH, 1, group, async_op), _side_stream(q.device))
 
 
 def compute(
@@ -279,7 +286,7 @@ def dispatch_backward(
         (v.index_select(0, kv_rows), ix.send_kv_counts),
     ]
     first = _start(BWD_DISPATCH, streams, _received_counts(prep, 3)[0], group, async_op)
-    return chain(first, _relay_forward(prep, BWD_DISPATCH, 3, group, async_op))
+    return chain(first, _relay_forward(prep, BWD_DISPATCH, 3, group, async_op), _side_stream(q.device))
 
 
 def compute_backward(
@@ -374,7 +381,7 @@ def return_grads(
                 dv_pool.index_add_(0, rows, torch.cat(dv_back).to(acc))
                 return home()
 
-            exchange = chain(to_relays, sum_then_home)
+            exchange = chain(to_relays, sum_then_home, _side_stream(dk_pool.device))
     return GradReturn(exchange, dq_kernel, dk_pool[:n], dv_pool[:n])
 
 

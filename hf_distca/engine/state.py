@@ -89,6 +89,10 @@ class EngineState:
     forward_inputs: dict[str, Any] = field(default_factory=dict)
     """The attention function's document boundaries of the last forward, one slot per kind, reused by
     the forward's other layers (:mod:`hf_distca.attention_inputs`)."""
+    side_streams: dict[str, Any] = field(default_factory=dict)
+    """The CUDA stream per device on which a chained exchange's later stages start (the KV relay's second
+    all-to-all, :func:`hf_distca.comm.chain`), made at high priority at its first use and kept by
+    :meth:`reset` (nothing in it is derived from inputs)."""
 
     def reset(self) -> None:
         """Forget what was derived from inputs: plans, compiled runners, prefetched plans and the attention
@@ -100,6 +104,16 @@ class EngineState:
         self.runners.clear()
         self.forward_inputs.clear()
         self.prefetcher.forget()
+
+    def side_stream(self, device: Any) -> Any:
+        """The side stream of CUDA ``device`` (see :attr:`side_streams`)."""
+        import torch
+
+        key = str(device)
+        if key not in self.side_streams:
+            # high priority: a relay's second stage is on the critical path of the layer that waits for it
+            self.side_streams[key] = torch.cuda.Stream(device, priority=-1)
+        return self.side_streams[key]
 
     def name(self, obj: Any, registry: weakref.WeakValueDictionary[int, Any]) -> int:
         """A new integer name of ``obj`` in ``registry`` (:attr:`layouts` or :attr:`runtimes`)."""
