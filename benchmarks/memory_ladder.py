@@ -4,7 +4,8 @@ Runs recipes/finetune_long_docs.py once per (technique set, tokens per step), ea
 device memory) with its own timeout, climbing each set's token ladder upwards and stopping it at the first
 run that does not finish (out of memory, error, timeout). Technique sets are cumulative, as in ALST's table:
 
-    remat     bf16, SGD, rematerialization-aware checkpointing (today's configuration)
+    remat     bf16, SGD, rematerialization-aware checkpointing (today's configuration), micro-batches
+              padded to the step's tokens (``--pad-to-budget``)
     +liger    and liger-kernel's fused linear cross-entropy
     +offload  and the checkpointed layer inputs in pinned host memory
     +kept     and the kept attention outputs placed per layer (``--kept-attention auto``)
@@ -40,7 +41,9 @@ from benchmarks.common import ROOT
 
 RECIPE = os.path.join(ROOT, "recipes", "finetune_long_docs.py")
 TECHNIQUES = {  # in the order the sets accumulate them: name -> the recipe's flags
-    "remat": ["--bf16", "--gradient-checkpointing", "--optim", "sgd"],
+    # --pad-to-budget: every micro-batch holds exactly the step's tokens (else it runs at the fewest rows
+    # that hold its documents, up to a document's length fewer)
+    "remat": ["--bf16", "--gradient-checkpointing", "--optim", "sgd", "--pad-to-budget"],
     "liger": ["--liger"],
     "offload": ["--offload-activations"],
     "kept": ["--kept-attention", "auto"],
