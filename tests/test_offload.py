@@ -278,6 +278,46 @@ def test_arena_chunks_are_page_aligned_whole_pages():
     assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:])), spans
 
 
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))],
+)
+def test_offloader_keeps_no_reference_to_what_it_packed(device):
+    """Once packed, a source belongs to its other users only: dropped by them, it is freed (on CUDA before its
+    copy to host memory has run; the caching allocator reuses it only after), not at a later pack or group."""
+    import gc
+    import weakref
+
+    offloader = Offloader(HostArena(1 << 16, pin=device == "cuda"), min_bytes=64)
+    group = offloader.begin_group()
+    x = torch.randn(100, device=device)
+    want = x.detach().cpu().clone()
+    gone = weakref.ref(x)
+    packed = offloader.pack(x, group)
+    del x
+    gc.collect()
+    assert gone() is None
+    torch.testing.assert_close(offloader.unpack(packed).cpu(), want, rtol=0, atol=0)
+
+
+def test_offloader_prefetches_the_nearest_earlier_offloaded_group():
+    """Groups 0, 1 and 3 offloaded a tensor, group 2 none (its layer kept its input on the device): the
+    backward of group 3 brings back group 1 (not group 2, which has nothing), and prefetch_before(4) (the
+    backward of a group after the last offloaded one) brings back group 3."""
+    offloader = Offloader(HostArena(1 << 16), min_bytes=64)
+    groups = [offloader.begin_group() for _ in range(5)]
+    xs = {g: torch.randn(40 + g) for g in (0, 1, 3)}
+    packed = {g: offloader.pack(x, groups[g]) for g, x in xs.items()}
+    assert offloader.prefetch_before(4) == 3 and packed[3].device_copy is not None
+    assert packed[1].device_copy is None and offloader.groups_prefetched == 1
+    torch.testing.assert_close(offloader.unpack(packed[3]), xs[3], rtol=0, atol=0)
+    assert packed[1].device_copy is not None and offloader.groups_prefetched == 2  # group 2 skipped
+    torch.testing.assert_close(offloader.unpack(packed[1]), xs[1], rtol=0, atol=0)
+    assert packed[0].device_copy is not None and offloader.groups_prefetched == 3
+    torch.testing.assert_close(offloader.unpack(packed[0]), xs[0], rtol=0, atol=0)
+    assert offloader.prefetch_before(0) is None and offloader.groups_prefetched == 3
+
+
 def test_offloader_round_trip_small_tensors_and_prefetch():
     offloader = Offloader(HostArena(1 << 16), min_bytes=64)
     small, param = torch.randn(3), torch.nn.Parameter(torch.randn(100))
