@@ -116,10 +116,9 @@ def test_offload_frees_the_device_on_a_side_stream(reference):
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         loss = model(**batch, use_cache=False).loss
-        torch.cuda.synchronize()  # every copy to host done: their sources can go
+        torch.cuda.synchronize()  # every copy to host done (their sources were freed at pack, no later call)
         offload = getattr(model, OFFLOAD_ATTR, None)
         if offload is not None:
-            offload.offloader.release_finished()
             streams = offload.offloader.side_streams
             assert len(streams) == 1 and streams[0] != torch.cuda.current_stream(), streams
             assert offload.offloader.arena._chunks[0].buffer.is_pinned()  # page-locked: asynchronous copies

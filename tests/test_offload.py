@@ -31,7 +31,7 @@ from tolerances import TOL
 
 import hf_distca
 from hf_distca import metrics
-from hf_distca.engine.host_arena import ALIGN, HostArena
+from hf_distca.engine.host_arena import ALIGN, PAGE, HostArena
 from hf_distca.engine.offload import Offloader, Packed
 from hf_distca.kept_attention import choose_kept_attention, per_layer
 from hf_distca.offloading import OFFLOAD_ATTR, OffloadOptions, choose_offloaded_inputs, offload_activations
@@ -183,13 +183,13 @@ def test_refusals():
 
 # --------------------------------------------------------------------------------- the arena
 def test_arena_exact_sizes_reuse_reset_and_growth():
-    arena = HostArena(chunk_bytes=4096)
+    arena = HostArena(chunk_bytes=PAGE)
     a = arena.take((10, 3), torch.float32)  # 120 bytes
     b = arena.take((7,), torch.float64)  # 56 bytes, at the next multiple of ALIGN
     assert a.shape == (10, 3) and b.dtype == torch.float64
-    assert a.untyped_storage().nbytes() == 4096  # one chunk, views into it
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # one chunk, views into it
     assert b.data_ptr() - a.data_ptr() == -(-120 // ALIGN) * ALIGN
-    assert arena.used_bytes == -(-120 // ALIGN) * ALIGN + 56 and arena.capacity_bytes == 4096
+    assert arena.used_bytes == -(-120 // ALIGN) * ALIGN + 56 and arena.capacity_bytes == PAGE
     a.fill_(1.0)
     b.fill_(2.0)
     assert float(a.sum()) == 30.0  # the views do not overlap
@@ -200,17 +200,122 @@ def test_arena_exact_sizes_reuse_reset_and_growth():
     arena.give_back()  # the last one resets
     assert arena.resets == 1 and arena.used_bytes == 0 and arena.peak_bytes == 184
     assert arena.take((4,), torch.int32).data_ptr() == start  # the same memory again
-    big = arena.take((5000,), torch.uint8)  # larger than a chunk: an exact chunk of its own
-    assert arena.chunk_sizes == [4096, 5000] and big.numel() == 5000
+    big = arena.take((PAGE + 904,), torch.uint8)  # larger than a chunk: a chunk of its own, whole pages
+    assert arena.chunk_sizes == [PAGE, 2 * PAGE] and big.numel() == PAGE + 904
     arena.give_back()
     arena.give_back()
-    arena.take((5000,), torch.uint8)  # the next step reuses the large chunk: no growth
-    assert arena.chunk_sizes == [4096, 5000]
+    arena.take((PAGE + 1000,), torch.uint8)  # the next step reuses the large chunk: no growth
+    assert arena.chunk_sizes == [PAGE, 2 * PAGE]
     arena.give_back()
+    assert arena.chunk_sizes == [2 * PAGE] and arena.chunks_released == 1  # the chunk that step left unused
+    assert arena.report()["host_arena_gib"] == 2 * PAGE / 2**30
+    assert arena.report()["host_arena_peak_held_gib"] == 3 * PAGE / 2**30
     with pytest.raises(RuntimeError, match="given back twice"):
         arena.give_back()
     with pytest.raises(ValueError, match="chunk_bytes"):
         HostArena(chunk_bytes=8)
+
+
+def _steps(arena: HostArena, steps: list[list[int]]) -> list[tuple[int, int, int]]:
+    """Run ``steps`` (per step, the byte sizes of its views) through ``arena``, every view given back at the
+    step's end; per step: the bytes it needed, the most the arena held during it, what it held after it."""
+    seen = []
+    for sizes in steps:
+        most = 0
+        for n in sizes:
+            arena.take((n,), torch.uint8)
+            most = max(most, arena.capacity_bytes)
+        for _ in sizes:
+            arena.give_back()
+        seen.append((sum(sizes), most, arena.capacity_bytes))
+    return seen
+
+
+def test_arena_capacity_stays_bounded_when_shapes_vary():
+    """Micro-batches whose shapes change every step (each tensor a chunk of its own): what the arena holds
+    after a step is at most 1.25 x the largest step's need (chunks rounded up to a size class, and the chunks a
+    step did not use freed), during a step at most 2.25 x (last step's chunks, and new ones of this step),
+    however many steps; the report says what it holds and held."""
+    kib = [1900, 2000, 1950, 2100, 2050]
+    steps = [[k * 1024] * 8 for k in kib * 4]  # 8 tensors a step, 20 steps
+    arena = HostArena(chunk_bytes=PAGE)
+    seen = _steps(arena, steps)
+    need = max(n for n, _, _ in seen)  # 8 x 2100 KiB
+    for step, (_, most, after) in enumerate(seen):
+        assert after <= 1.25 * need and most <= 2.25 * need, (step, seen)
+    assert seen[-1][2] == seen[5][2]  # no growth once every size class was seen
+    report = arena.report()
+    assert report["host_arena_gib"] == arena.capacity_bytes / 2**30
+    assert report["host_arena_peak_held_gib"] == max(m for _, m, _ in seen) / 2**30
+    assert report["host_arena_chunks"] == 8 and report["host_arena_chunks_released"] == 16
+    # shapes drawn at random, a step bigger or smaller than the one before: held after a step is at most
+    # the largest step's need twice (a chunk left for a view that did not fit holds less than that view)
+    # plus one chunk's rounding
+    generator = torch.Generator().manual_seed(0)
+    steps = [[int(n) for n in torch.randint(100_000, 3_000_000, (int(c),), generator=generator)]
+             for c in torch.randint(1, 12, (40,), generator=generator)]  # fmt: skip
+    arena = HostArena(chunk_bytes=1 << 20)
+    seen = _steps(arena, steps)
+    most_need = max(n for n, _, _ in seen)
+    for step, (_, most, after) in enumerate(seen):
+        assert after <= 2 * most_need + (1 << 20), (step, after, most_need)
+        assert most <= 4 * most_need + (2 << 20), (step, most, most_need)
+
+
+def test_arena_chunks_are_page_aligned_whole_pages():
+    """cudaHostRegister page-locks whole pages: a chunk sharing a page with another chunk (or with other host
+    memory) would be registered twice. Every chunk starts at a page boundary and is whole pages."""
+    arena = HostArena(chunk_bytes=100)
+    for n in (1, 100, 70, PAGE + 1, 3 * PAGE + 5, 10, 2 * PAGE):
+        arena.take((n,), torch.uint8)
+    assert len(arena.chunk_sizes) >= 4
+    spans = []
+    for chunk in arena._chunks:
+        start = chunk.buffer.data_ptr()
+        assert start % PAGE == 0 and chunk.nbytes % PAGE == 0, (start, chunk.nbytes)
+        spans.append((start, start + chunk.nbytes))
+    spans.sort()
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:])), spans
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))],
+)
+def test_offloader_keeps_no_reference_to_what_it_packed(device):
+    """Once packed, a source belongs to its other users only: dropped by them, it is freed (on CUDA before its
+    copy to host memory has run; the caching allocator reuses it only after), not at a later pack or group."""
+    import gc
+    import weakref
+
+    offloader = Offloader(HostArena(1 << 16, pin=device == "cuda"), min_bytes=64)
+    group = offloader.begin_group()
+    x = torch.randn(100, device=device)
+    want = x.detach().cpu().clone()
+    gone = weakref.ref(x)
+    packed = offloader.pack(x, group)
+    del x
+    gc.collect()
+    assert gone() is None
+    torch.testing.assert_close(offloader.unpack(packed).cpu(), want, rtol=0, atol=0)
+
+
+def test_offloader_prefetches_the_nearest_earlier_offloaded_group():
+    """Groups 0, 1 and 3 offloaded a tensor, group 2 none (its layer kept its input on the device): the
+    backward of group 3 brings back group 1 (not group 2, which has nothing), and prefetch_before(4) (the
+    backward of a group after the last offloaded one) brings back group 3."""
+    offloader = Offloader(HostArena(1 << 16), min_bytes=64)
+    groups = [offloader.begin_group() for _ in range(5)]
+    xs = {g: torch.randn(40 + g) for g in (0, 1, 3)}
+    packed = {g: offloader.pack(x, groups[g]) for g, x in xs.items()}
+    assert offloader.prefetch_before(4) == 3 and packed[3].device_copy is not None
+    assert packed[1].device_copy is None and offloader.groups_prefetched == 1
+    torch.testing.assert_close(offloader.unpack(packed[3]), xs[3], rtol=0, atol=0)
+    assert packed[1].device_copy is not None and offloader.groups_prefetched == 2  # group 2 skipped
+    torch.testing.assert_close(offloader.unpack(packed[1]), xs[1], rtol=0, atol=0)
+    assert packed[0].device_copy is not None and offloader.groups_prefetched == 3
+    torch.testing.assert_close(offloader.unpack(packed[0]), xs[0], rtol=0, atol=0)
+    assert offloader.prefetch_before(0) is None and offloader.groups_prefetched == 3
 
 
 def test_offloader_round_trip_small_tensors_and_prefetch():

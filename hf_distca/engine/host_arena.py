@@ -2,31 +2,53 @@
 
 torch's pinned-memory allocator rounds every request up to a power of two, so pinning each offloaded
 tensor on its own can cost up to twice its size in host memory. The arena instead allocates large chunks
-(``chunk_bytes`` each, or one exact chunk for a tensor larger than that) and hands out views at a bump
-pointer, aligned to ``ALIGN`` bytes, so a step's tensors cost their own bytes plus at most ``ALIGN - 1``
-each and the unused tail of a chunk they did not fit in. When no view is live any more (every offloaded
-tensor of the step was used and freed) the pointer goes back to the first chunk: the next step reuses the
-same memory. It grows (a new chunk) only when a step needs more than the chunks hold, and says how much
-it holds (:meth:`HostArena.report`).
+(``chunk_bytes`` each, or one chunk of its own for a tensor larger than that, rounded up to a size class
+at most 1/8 above it) and hands out views at a bump pointer, aligned to ``ALIGN`` bytes, so a step's
+tensors cost their own bytes plus at most ``ALIGN - 1`` each and the unused tail of a chunk they did not
+fit in. When no view is live any more (every offloaded tensor of the step was used and freed) the arena
+resets: the pointer goes back to the first chunk and the next step reuses the same memory, and the chunks
+that step did not use at all are freed, so that micro-batches of varying shapes (one a little larger than
+any before, step after step) do not pile up chunks: what the arena holds after a step is what that step
+used. It says how much it holds (:meth:`HostArena.report`).
 
-On a CUDA machine the chunks are page-locked with ``cudaHostRegister`` (torch.cuda.cudart()), exactly
-their size, so device<->host copies can run asynchronously; elsewhere (the CPU tests) they are plain host
-memory and the same code runs.
+On a CUDA machine the chunks are page-locked with ``cudaHostRegister`` (torch.cuda.cudart()) so
+device<->host copies can run asynchronously; every chunk starts at a page boundary and is a whole number
+of pages, so no two registered ranges (nor a registered range and other host memory) share a page.
+Elsewhere (the CPU tests) they are plain host memory and the same code runs.
 """
 
 from __future__ import annotations
 
+import mmap
+
 import torch
 
-__all__ = ["ALIGN", "HostArena"]
+__all__ = ["ALIGN", "PAGE", "HostArena"]
 
 ALIGN = 64
 """Every view starts at a multiple of this many bytes (any dtype's element size divides it)."""
 
+PAGE = mmap.PAGESIZE
+"""Every chunk starts at a multiple of this many bytes and holds a whole number of them."""
+
+
+def _whole_pages(nbytes: int) -> int:
+    return -(-nbytes // PAGE) * PAGE
+
+
+def _size_class(nbytes: int) -> int:
+    """``nbytes`` rounded up to a multiple of an eighth of its power of two (at most 1/8 more), so that
+    tensors a little larger than one step's fit the next step's chunks."""
+    granule = max(1, 1 << max(nbytes.bit_length() - 4, 0))  # (the power of two <= nbytes) / 8
+    return -(-nbytes // granule) * granule
+
 
 class _Chunk:
     def __init__(self, nbytes: int, pin: bool) -> None:
-        self.buffer = torch.empty(nbytes, dtype=torch.uint8)  # (nbytes,) plain host memory, exact size
+        # nbytes is a whole number of pages; one page of slack lets the chunk start at a page boundary
+        raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)  # (nbytes + PAGE,) plain host memory
+        offset = -raw.data_ptr() % PAGE
+        self.buffer = raw[offset : offset + nbytes]  # (nbytes,) page-aligned, whole pages
         self.pinned = False
         if pin:
             rc = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), nbytes, 0)
@@ -34,6 +56,7 @@ class _Chunk:
                 raise RuntimeError(f"cudaHostRegister of a {nbytes}-byte host chunk failed (error {int(rc)})")
             self.pinned = True
         self.used = 0
+        self.taken = False  # a view of this step lies in it
 
     @property
     def nbytes(self) -> int:
@@ -54,7 +77,8 @@ class HostArena:
     """Exact-size host views for offloaded tensors, out of chunks reused step after step.
 
     ``take`` returns a view and counts it live until ``give_back``; when the count reaches zero the arena
-    resets (every chunk empty again, nothing freed). ``pin``: page-lock the chunks (needs CUDA)."""
+    resets (every chunk empty again; the chunks this step did not use are freed). ``pin``: page-lock the
+    chunks (needs CUDA)."""
 
     def __init__(self, chunk_bytes: int = 1 << 30, *, pin: bool = False) -> None:
         if not isinstance(chunk_bytes, int) or chunk_bytes < ALIGN:
@@ -63,13 +87,16 @@ class HostArena:
             raise ValueError(
                 "HostArena(pin=True) page-locks host memory for CUDA copies: no CUDA device here"
             )
-        self.chunk_bytes = chunk_bytes
+        self.chunk_bytes = _whole_pages(chunk_bytes)
         self.pin = pin
         self._chunks: list[_Chunk] = []
         self._current = 0  # chunks before it are full for this step, chunks after it are empty
+        self._taken = 0  # views taken since the last reset
         self.live = 0
         self.used_bytes = 0  # bytes handed out since the last reset (alignment included)
         self.peak_bytes = 0
+        self.peak_capacity_bytes = 0
+        self.chunks_released = 0
         self.resets = 0
 
     @property
@@ -90,6 +117,8 @@ class HostArena:
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         chunk, start = self._place(nbytes)
         chunk.used = start + nbytes
+        chunk.taken = True
+        self._taken += 1
         self.live += 1
         self.used_bytes = sum(c.used for c in self._chunks)  # chunks past the current one are empty
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
@@ -98,7 +127,8 @@ class HostArena:
 
     def _place(self, nbytes: int) -> tuple[_Chunk, int]:
         """The chunk and byte offset of the next view: the current chunk if it fits, else the first later
-        (empty) chunk large enough, else a new chunk of max(chunk_bytes, nbytes)."""
+        (empty) chunk large enough, else a new chunk of chunk_bytes (or of nbytes' size class, in whole
+        pages, when larger)."""
         if self._chunks:
             chunk = self._chunks[self._current]
             start = -(-chunk.used // ALIGN) * ALIGN  # the next multiple of ALIGN
@@ -109,8 +139,9 @@ class HostArena:
             if self._chunks[index].nbytes >= nbytes:
                 self._current = index
                 return self._chunks[index], 0
-        self._chunks.append(_Chunk(max(self.chunk_bytes, nbytes), self.pin))
+        self._chunks.append(_Chunk(max(self.chunk_bytes, _whole_pages(_size_class(nbytes))), self.pin))
         self._current = len(self._chunks) - 1
+        self.peak_capacity_bytes = max(self.peak_capacity_bytes, self.capacity_bytes)
         return self._chunks[-1], 0
 
     def give_back(self) -> None:
@@ -122,27 +153,42 @@ class HostArena:
             self.reset()
 
     def reset(self) -> None:
-        """Every chunk empty again (only with no live view: a live view's bytes would be handed out twice)."""
+        """Every chunk empty again (only with no live view: a live view's bytes would be handed out twice);
+        after a step that took views, the chunks it did not use are freed."""
         if self.live:
             raise RuntimeError(f"HostArena.reset with {self.live} live view(s): their memory would be reused")
+        if self._taken:
+            self._free([c for c in self._chunks if not c.taken])
         for chunk in self._chunks:
-            chunk.used = 0
+            chunk.used, chunk.taken = 0, False
         self._current = 0
+        self._taken = 0
         self.used_bytes = 0
         self.resets += 1
 
     def clear(self) -> None:
         """Free every chunk (no live view allowed)."""
         self.reset()
-        for chunk in self._chunks:
+        self._free(list(self._chunks))
+
+    def _free(self, chunks: list[_Chunk]) -> None:
+        if not chunks:
+            return
+        if any(c.pinned for c in chunks):
+            # copies from or to them may still be queued (the host never waited for them): done first
+            torch.cuda.synchronize()
+        for chunk in chunks:
             chunk.release()
-        self._chunks = []
+        self._chunks = [c for c in self._chunks if all(c is not d for d in chunks)]
+        self.chunks_released += len(chunks)
 
     def report(self) -> dict[str, float | int | bool]:
-        """What the arena holds: capacity and peak use in GiB, chunks, whether page-locked."""
+        """What the arena holds now and at most, its peak use (GiB), chunks, whether page-locked."""
         return {
             "host_arena_gib": self.capacity_bytes / 2**30,
+            "host_arena_peak_held_gib": self.peak_capacity_bytes / 2**30,
             "host_arena_peak_gib": self.peak_bytes / 2**30,
             "host_arena_chunks": len(self._chunks),
+            "host_arena_chunks_released": self.chunks_released,
             "host_arena_pinned": self.pin,
         }

@@ -8,13 +8,15 @@ numbered in forward order.
 - pack: a tensor of at least ``min_bytes`` (plain ``torch.Tensor``, not a parameter) is copied into an
   exact-size view of the :class:`~hf_distca.engine.host_arena.HostArena`. On CUDA the copy runs on the
   offloader's side stream after waiting (an event, never the host) for the stream that produced it; the
-  source is kept alive until the copy's event has completed (checked without blocking at each later pack
-  and group), then dropped, which frees its device memory. Smaller tensors are kept as they are.
+  source is recorded on the side stream and dropped at once, so its device memory is freed as soon as its
+  last other user lets go of it, and the caching allocator hands it out again only after the copy has
+  run. Smaller tensors are kept as they are.
 - unpack: the tensor comes back into fresh memory on its device (the side stream waits for the compute
   stream first, so memory the allocator just recycled is not written early) and the consumer's stream
-  waits on the copy's event. Unpacking any tensor of group g also starts the copies of group g - 1, the
-  next one backward needs, so that they run while group g's backward computes. Correctness never depends
-  on that prefetch: an unpack always makes sure its own copy was issued and waits for it.
+  waits on the copy's event. Unpacking any tensor of group g also starts the copies of the nearest earlier
+  group with offloaded tensors (:meth:`Offloader.prefetch_before`), the next one backward needs, so that
+  they run while group g's backward computes. Correctness never depends on that prefetch: an unpack always
+  makes sure its own copy was issued and waits for it.
 
 On CPU tensors (the tests) the copies are synchronous and everything else is the same code.
 Host views are given back to the arena when autograd frees the packed object (after its backward, or
@@ -80,7 +82,6 @@ class Offloader:
         self._groups: dict[int, list[weakref.ref]] = {}  # packed objects of each group with live ones
         self._next_group = 0
         self._prefetched: set[int] = set()
-        self._pending: list[tuple[Any, torch.Tensor]] = []  # (d2h event, source) until the copy is done
         self._streams: dict[torch.device, Any] = {}
         self.live = 0
         self.tensors_offloaded = 0
@@ -91,7 +92,6 @@ class Offloader:
     def begin_group(self) -> int:
         """The number of the next group (a decoder layer call; numbers grow in forward order)."""
         with self._lock:
-            self._release_finished()
             self._next_group += 1
             return self._next_group - 1
 
@@ -109,7 +109,6 @@ class Offloader:
         ):
             return tensor
         with self._lock:
-            self._release_finished()
             host = self.arena.take(tensor.shape, tensor.dtype)
             d2h = None
             if tensor.is_cuda:
@@ -118,7 +117,8 @@ class Offloader:
                 with torch.cuda.stream(side):
                     host.copy_(tensor, non_blocking=True)
                     d2h = side.record_event()
-                self._pending.append((d2h, tensor))  # the source lives until its copy is done
+                # no reference is kept: the allocator does not reuse its memory before the copy has run
+                tensor.record_stream(side)
             else:
                 host.copy_(tensor)
             packed = Packed(self, group, tensor, host, d2h)
@@ -128,20 +128,10 @@ class Offloader:
             self.bytes_offloaded += tensor.numel() * tensor.element_size()
             return packed
 
-    def release_finished(self) -> None:
-        """Free the device copies of offloaded tensors whose copy to host memory has completed (never waits;
-        otherwise this happens at the next pack or group)."""
-        with self._lock:
-            self._release_finished()
-
     @property
     def side_streams(self) -> list:
         """The CUDA streams the copies run on (one per device; none before the first CUDA copy)."""
         return list(self._streams.values())
-
-    def _release_finished(self) -> None:
-        """Drop the sources whose device->host copy has completed (never waits)."""
-        self._pending = [(event, src) for event, src in self._pending if not event.query()]
 
     # ----------------------------------------------------------------------------------- backward
     def unpack(self, packed: Any) -> torch.Tensor:
@@ -150,15 +140,28 @@ class Offloader:
             return packed
         with self._lock:
             self._bring_back(packed)
-            self._prefetch(packed.group - 1)
+            self.prefetch_before(packed.group)
             tensor, packed.device_copy = packed.device_copy, None  # a second unpack copies again
             if packed.h2d is not None:
                 torch.cuda.current_stream(packed.device).wait_event(packed.h2d)
             return tensor
 
+    def prefetch_before(self, group: int) -> int | None:
+        """Start bringing back the nearest group before ``group`` that has offloaded tensors (backward needs it
+        next), unless it already was; groups in between kept theirs on the device. Returns that group (None:
+        there is none). Called at each unpack of ``group``; a caller that knows when the backward of a group
+        without offloaded tensors begins may call it then, so the copies of the last offloaded group start
+        early too."""
+        with self._lock:
+            earlier = [g for g in self._groups if g < group]
+            if not earlier:
+                return None
+            nearest = max(earlier)
+            if nearest not in self._prefetched:
+                self._prefetch(nearest)
+            return nearest
+
     def _prefetch(self, group: int) -> None:
-        if group not in self._groups or group in self._prefetched:
-            return
         self._prefetched.add(group)
         self.groups_prefetched += 1
         for ref in self._groups[group]:
