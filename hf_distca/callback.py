@@ -278,7 +278,10 @@ class DistCACallback(TrainerCallback):
         while not hasattr(model, "gradient_checkpointing_enable") and hasattr(model, "module"):
             model = model.module  # a DDP/FSDP/DeepSpeed wrapper around the Transformers model
         self._offload = offload_activations(model, self.offload)
-        if self.offload.kept_attention == "auto":  # every rank the same choice, before the first step
+        # before the first step, every rank the same choice: "auto" kept attention, and the layers whose
+        # input goes to host sized for a whole micro-batch (tokens_per_rank rows, both nano-batches of
+        # layer ping-pong together), not for the first call's rows (a short micro-batch, one nano-batch)
+        if self.offload.kept_attention == "auto" or self.offload.inputs:
             resolve_over_ranks(
                 self._offload, self.tokens_per_rank, _compute_dtype(args, model), args.device, self._group
             )

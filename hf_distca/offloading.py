@@ -43,6 +43,7 @@ __all__ = [
     "choose_offloaded_inputs",
     "decoder_layers",
     "offload_activations",
+    "pins_host_memory",
     "resolve_over_ranks",
 ]
 
@@ -57,8 +58,9 @@ class OffloadOptions:
     inputs: bool = False
     """Keep each checkpointed decoder layer's input in host memory (copied on a side stream, brought back a
     layer ahead in backward). On a CUDA device only as many layers as ``host_fraction`` of the available host
-    memory holds (the first ones; the last layers keep theirs on the device), chosen at the first step
-    (:func:`choose_offloaded_inputs`)."""
+    memory holds (the first ones; the last layers keep theirs on the device), chosen for micro-batches of
+    ``tokens_per_rank`` rows before the first step by :class:`hf_distca.DistCACallback`
+    (:meth:`ActivationOffload.resolve`), else from the first layer call's rows (:func:`choose_offloaded_inputs`)."""
     kept_attention: str | tuple[str, ...] = "gpu"
     """Where rematerialization-aware checkpointing keeps each layer's attention output and log-sum-exp:
     "gpu", "host", "drop" (recomputed in backward), one per layer, or "auto" (chosen at the first step,
@@ -120,6 +122,12 @@ def choose_offloaded_inputs(
     return [True] * on_host + [False] * (layers - on_host)
 
 
+def pins_host_memory(device: torch.device) -> bool:
+    """Whether offloaded copies of activations on ``device`` go to page-locked host memory: on a CUDA device
+    (asynchronous copies), not on the CPU (plain host memory, nothing to copy asynchronously)."""
+    return device.type == "cuda"
+
+
 def _local_ranks() -> int:
     """Ranks sharing this node's host memory (torchrun / accelerate set LOCAL_WORLD_SIZE)."""
     try:
@@ -152,13 +160,15 @@ class ActivationOffload:
         self._heads = getattr(config, "num_attention_heads", None)
         self._hidden = getattr(config, "hidden_size", 0) or 0
         self._head_dim = getattr(config, "head_dim", None) or self._hidden // max(self._heads or 1, 1)
-        on_cuda = any(p.is_cuda for p in model.parameters())
-        self.offloader = Offloader(HostArena(options.chunk_bytes, pin=on_cuda), min_bytes=options.min_bytes)
+        # unpinned until the first checkpointed call shows where activations are (_place_arena)
+        self.offloader = Offloader(HostArena(options.chunk_bytes), min_bytes=options.min_bytes)
+        self._arena_placed = False
+        self._first_call = threading.Lock()  # the nano-batch threads' first calls
         self.choice: dict[str, Any] = {}
         self._local = threading.local()  # the layer calls entered on this thread (nano-batch threads)
         self._handles = []
         for index, layer in enumerate(self.layers):
-            self._handles.append(layer.register_forward_pre_hook(self._enter_hook(index)))
+            self._handles.append(layer.register_forward_pre_hook(self._enter_hook(index), with_kwargs=True))
             self._handles.append(layer.register_forward_hook(self._exit_hook(index), always_call=True))
 
     # -------------------------------------------------------------------------------- the policy
@@ -195,6 +205,13 @@ class ActivationOffload:
             )
         return self.policy
 
+    def _place_arena(self, hidden_states: torch.Tensor) -> None:
+        """Page-lock the host arena where the activations are on a CUDA device (:func:`pins_host_memory`),
+        whatever device the parameters are on (FSDP2's CPU offload keeps them in host memory)."""
+        if pins_host_memory(hidden_states.device) and not self.offloader.arena.pin:
+            self.offloader.arena = HostArena(self.options.chunk_bytes, pin=True)  # nothing offloaded yet
+        self._arena_placed = True
+
     def _resolve_at_first_call(self, hidden_states: torch.Tensor) -> None:
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         if (
@@ -222,12 +239,32 @@ class ActivationOffload:
         return self._local.calls
 
     def _enter_hook(self, index: int):
-        def enter(layer: torch.nn.Module, args: tuple) -> None:
+        def enter(layer: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            calls = self._calls()
+            calls.append(None)  # until placed below: what the exit hook pops, also after a refusal here
             if not (layer.gradient_checkpointing and layer.training and torch.is_grad_enabled()):
-                self._calls().append(None)  # this call keeps its activations itself: nothing to place
-                return
-            if self.policy is None or self.inputs_policy is None:
-                self._resolve_at_first_call(args[0] if args else None)
+                return  # this call keeps its activations itself: nothing to place
+            hidden_states = args[0] if args else kwargs.get("hidden_states")
+            if not isinstance(hidden_states, torch.Tensor):
+                raise TypeError(
+                    f"offload_activations: decoder layer {index} ({type(layer).__name__}) was called without "
+                    "hidden_states (first positional argument or keyword `hidden_states`), so its input's size and "
+                    "device are unknown; call the layer with its hidden states, or leave out inputs / kept_attention "
+                    "(OffloadOptions, --offload-activations / --kept-attention)"
+                )
+            if not self._arena_placed or self.policy is None or self.inputs_policy is None:
+                with self._first_call:
+                    if not self._arena_placed:
+                        self._place_arena(hidden_states)
+                    if self.policy is None or self.inputs_policy is None:
+                        self._resolve_at_first_call(hidden_states)
+            if self.inputs_policy[index] and not args:
+                raise ValueError(
+                    f"OffloadOptions(inputs=True) (--offload-activations): decoder layer {index} "
+                    f"({type(layer).__name__}) got hidden_states as a keyword, and Transformers' checkpoint "
+                    "keeps keyword arguments in a closure on the device, out of reach of the offload; pass "
+                    "hidden_states positionally (as Transformers' models do) or leave inputs off"
+                )
             group = self.offloader.begin_group()
             pack = self.offloader.packer(group)
             choice = self.policy[index]
@@ -241,7 +278,7 @@ class ActivationOffload:
                 contexts.append(saved_tensors_hooks(pack, self.offloader.unpack))
             for context in contexts:
                 context.__enter__()
-            self._calls().append((choice, placement, contexts))
+            calls[-1] = (choice, placement, contexts)
 
         return enter
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["TiledMLP", "tile_mlp", "untile_mlp"]
+__all__ = ["TiledMLP", "tile_mlp", "tiled_mlp_report", "untile_mlp"]
 
 
 class _Anchor(torch.autograd.Function):
@@ -72,6 +72,14 @@ class _TiledFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, anchor, mlp, tile_rows, *params):  # type: ignore[override]
         ctx.anchor, ctx.mlp, ctx.tile_rows, ctx.params = anchor, mlp, tile_rows, params
+        where = x.device.type
+        # backward reruns the tiles under the autocast forward ran in (the engine runs backward outside it)
+        ctx.autocast = dict(
+            device_type=where,
+            enabled=torch.is_autocast_enabled(where),
+            dtype=torch.get_autocast_dtype(where),
+            cache_enabled=torch.is_autocast_cache_enabled(),
+        )
         flat = x.reshape(-1, x.shape[-1])  # (N, H)
         out = _run_tiles(mlp, flat, _tiles(flat.shape[0], tile_rows))  # (N, H_out)
         return out.view(*x.shape[:-1], out.shape[-1])
@@ -84,10 +92,11 @@ class _TiledFunction(torch.autograd.Function):
         trained = [p for p in ctx.params if p.requires_grad]
         dx = torch.empty_like(flat)  # (N, H)
         sums: list[torch.Tensor | None] = [None] * len(trained)
-        with torch.enable_grad():
+        with torch.enable_grad(), torch.autocast(**ctx.autocast):
             for start, end in _tiles(flat.shape[0], ctx.tile_rows):
                 tile = flat[start:end].detach().requires_grad_(True)  # (rows, H)
-                part = ctx.mlp(tile)  # (rows, H_out)
+                # a non-leaf like the forward's tile: autocast casts it at each use (it caches leaves' casts)
+                part = ctx.mlp(tile.view_as(tile))  # (rows, H_out)
                 grads = torch.autograd.grad(part, [tile, *trained], grad_flat[start:end], allow_unused=True)
                 dx[start:end] = grads[0]
                 for i, g in enumerate(grads[1:]):

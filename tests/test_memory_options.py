@@ -1,0 +1,199 @@
+"""Memory options at their edges: the tiled MLP under autocast, the offloaded inputs' split sized for the
+whole micro-batch, the host arena pinned where the activations are, a decoder layer called with keyword
+hidden states, and the owners' sizes of sharded parameters (FSDP2 DTensors on 2 gloo ranks, ZeRO-3's
+partitioned parameters)."""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import pytest
+import torch
+from distributed import run_distributed
+from test_engine_remat import LAYERS, docs_of, grads_of, tiny_llama, with_mode
+from tolerances import TOL
+
+import hf_distca
+from hf_distca import kept_attention
+from hf_distca.memory_owners import memory_by_owner
+from hf_distca.offloading import OffloadOptions, offload_activations, pins_host_memory
+from hf_distca.tiled_mlp import TiledMLP, tiled_mlp_report
+
+HIDDEN = 64
+
+
+# ------------------------------------------------------------------------------ tiled MLP, autocast
+def _bf16_autocast_step(mlp, x0: torch.Tensor, grad: torch.Tensor, tile_rows: int | None = None):
+    """Output, input gradient and parameter gradients of ``mlp`` (fp32 weights) under CPU bf16 autocast; its
+    input is a non-leaf, as in a decoder layer. ``tile_rows``: run it tile by tile instead (each tile its
+    own forward and backward, parameter gradients summed in fp32 in tile order)."""
+    mlp = copy.deepcopy(mlp)
+    x = x0.clone().requires_grad_(True)
+    flat, gflat = x.reshape(-1, HIDDEN), grad.reshape(-1, HIDDEN)  # (N, H)
+    bounds = (
+        [(0, flat.shape[0])]
+        if tile_rows is None
+        else [(s, s + tile_rows) for s in range(0, len(flat), tile_rows)]
+    )
+    outs = []
+    for start, end in bounds:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = mlp(flat[start:end] * 1.0)  # (rows, H)
+        out.backward(gflat[start:end])
+        outs.append(out.detach())
+    return torch.cat(outs).view_as(grad), x.grad, {n: p.grad for n, p in mlp.named_parameters()}
+
+
+def test_tiled_mlp_backward_runs_under_the_forwards_autocast():
+    """bf16 autocast with fp32 weights: the tiled MLP's backward reruns its tiles in bf16 as its forward
+    ran them, so with one tile everything is bit-identical to the untiled MLP (TOL["exact"]); with 5 tiles
+    the output and input gradient still are (row by row the same ops), and the parameter gradients are
+    bit-identical to the untiled MLP run tile by tile (the same bf16 ops, summed in fp32 in the same order:
+    against the whole untiled MLP they differ by bf16 rounding of the per-tile products)."""
+    mlp = tiny_llama().model.layers[0].mlp
+    x0 = torch.randn(2, 40, HIDDEN, generator=torch.Generator().manual_seed(0))
+    grad = torch.randn(2, 40, HIDDEN, generator=torch.Generator().manual_seed(1)).bfloat16()
+    rtol, atol = TOL["exact"]
+    whole = _bf16_autocast_step(mlp, x0, grad)
+    assert whole[0].dtype == torch.bfloat16 and whole[1].dtype == torch.float32
+    for tile, param_reference in ((80, whole), (16, _bf16_autocast_step(mlp, x0, grad, tile_rows=16))):
+        out, dx, dparams = _bf16_autocast_step(TiledMLP(copy.deepcopy(mlp), tile), x0, grad)
+        torch.testing.assert_close(out, whole[0], rtol=rtol, atol=atol)
+        torch.testing.assert_close(dx, whole[1], rtol=rtol, atol=atol)
+        for name, want in param_reference[2].items():
+            torch.testing.assert_close(dparams[name], want, rtol=rtol, atol=atol, msg=f"tile {tile} {name}")
+
+
+def test_tiled_mlp_report_is_public():
+    assert "tiled_mlp_report" in hf_distca.tiled_mlp.__all__
+    assert tiled_mlp_report(tiny_llama()) == {"tiled_mlps": 0, "tiled_mlp_tokens": None}
+
+
+# ------------------------------------------------------------------------------ offloaded inputs' split
+def _split_after_first_step(monkeypatch, rows: int, tokens_per_rank: int) -> tuple[list[bool], dict]:
+    """A CUDA-like budget on the CPU: 10 GiB free on the device, and host memory for 1.5 layer inputs of
+    ``tokens_per_rank`` rows (0.8 of it: 1 layer). The callback installs inputs=True offload, then one
+    micro-batch of ``rows`` rows runs."""
+    layer_bytes = tokens_per_rank * HIDDEN * 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setattr(kept_attention, "free_device_bytes", lambda device=None: 10 << 30)
+    monkeypatch.setattr(kept_attention, "free_host_bytes", lambda: int(1.5 * layer_bytes / 0.8))
+    model = with_mode(tiny_llama(), "remat")
+    callback = hf_distca.DistCACallback(tokens_per_rank, offload=OffloadOptions(inputs=True, min_bytes=0))
+    args = types.SimpleNamespace(device=torch.device("cpu"), bf16=False, fp16=False)
+    callback._start_offload(args, model)
+    ids = torch.tensor([docs_of([rows], seed=3)[0]])
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    offload = callback._offload
+    return list(offload.inputs_policy), offload.report()
+
+
+@pytest.mark.parametrize("rows", [40, 512])
+def test_inputs_split_sized_for_tokens_per_rank_not_the_first_micro_batch(monkeypatch, rows):
+    """A short first micro-batch (or one nano-batch of layer ping-pong) gives the split of a full one:
+    the callback sizes it for tokens_per_rank rows before the first step."""
+    split, report = _split_after_first_step(monkeypatch, rows, tokens_per_rank=512)
+    assert split == [True] + [False] * (LAYERS - 1), split
+    assert report["offloaded_tensors"] == 1 and report["offload_inputs_layer_gib"] == 512 * HIDDEN * 4 / 2**30
+
+
+# ------------------------------------------------------------------------------ pinning
+def test_host_arena_pinned_where_the_activations_are():
+    """Pinning follows the activations' device, not the parameters' (FSDP2's CPU offload keeps those in
+    host memory while activations are on the GPU); on the CPU the arena stays plain host memory."""
+    assert pins_host_memory(torch.device("cuda", 0)) and pins_host_memory(torch.device("cuda"))
+    assert not pins_host_memory(torch.device("cpu"))
+    model = with_mode(tiny_llama(), "remat")
+    offload = offload_activations(model, inputs=True, min_bytes=0)
+    ids = torch.tensor([docs_of([30], seed=5)[0]])
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    assert offload.report()["offloaded_tensors"] == LAYERS and not offload.offloader.arena.pin
+
+
+# ------------------------------------------------------------------------------ keyword hidden states
+def _layer_step(model, ids: torch.Tensor, keyword: bool):
+    """Run the decoder layers one by one (hidden_states positional or keyword), then the norm and a loss."""
+    inner = model.model
+    hidden = inner.embed_tokens(ids)  # (1, T, H)
+    positions = torch.arange(ids.shape[1])[None]  # (1, T)
+    rotary = inner.rotary_emb(hidden, positions)
+    for layer in inner.layers:
+        kwargs = {"attention_mask": None, "position_ids": positions, "position_embeddings": rotary}
+        hidden = layer(hidden_states=hidden, **kwargs) if keyword else layer(hidden, **kwargs)
+        hidden = hidden[0] if isinstance(hidden, tuple) else hidden
+    inner.norm(hidden).pow(2).mean().backward()
+
+
+def test_layer_called_with_keyword_hidden_states():
+    """Transformers' checkpoint keeps keyword arguments in a closure, out of reach of the offload: a layer
+    whose input goes to host memory refuses keyword hidden states (on its first call too, which resolves the
+    policy from them); kept attention placement, inside the checkpoint, works for them as for positional ones."""
+    base = tiny_llama()
+    ids = torch.tensor([docs_of([60], seed=6)[0]])
+    model = with_mode(base, "remat")
+    offload_activations(model, inputs=True, min_bytes=0)
+    with pytest.raises(ValueError, match=r"inputs=True.*--offload-activations.*hidden_states as a keyword"):
+        _layer_step(model, ids, keyword=True)
+    runs = {}
+    for keyword in (False, True):
+        model = with_mode(base, "remat")
+        offload = offload_activations(model, kept_attention="host", min_bytes=0)
+        _layer_step(model, ids, keyword)
+        runs[keyword] = (grads_of(model), offload.report())
+    # each layer's attention output and log-sum-exp in host memory, either way
+    assert runs[True][1]["offloaded_tensors"] == 2 * LAYERS == runs[False][1]["offloaded_tensors"], runs[
+        True
+    ][1]
+    rtol, atol = TOL["exact"]
+    for name, grad in runs[False][0].items():
+        torch.testing.assert_close(runs[True][0][name], grad, rtol=rtol, atol=atol)
+
+
+def test_layer_called_without_hidden_states_is_refused():
+    model = with_mode(tiny_llama(), "remat")
+    offload_activations(model, inputs=True, min_bytes=0)
+    with pytest.raises(TypeError, match="without hidden_states"):
+        model.model.layers[0](attention_mask=None)
+
+
+# ------------------------------------------------------------------------------ sharded owners
+def _owner_sizes(model) -> tuple[float, float]:
+    owners = memory_by_owner(model, tokens=8, compute_dtype=torch.float32, remat=False)
+    return owners["weights_gib"], owners["gradients_gib"]
+
+
+def test_zero3_partitioned_parameters_counted_by_their_shard():
+    """ZeRO-3 replaces a partitioned parameter's data by an empty tensor (numel 0) and keeps this rank's
+    shard in ``ds_tensor``: that shard is what the rank holds."""
+    model = tiny_llama()
+    full_weights, full_grads = _owner_sizes(model)
+    for p in model.parameters():
+        shard = p.data.reshape(-1)[: (p.numel() + 1) // 2].clone()  # rank 0 of 2
+        p.data = torch.empty(0)
+        p.ds_tensor = shard
+    weights, grads = _owner_sizes(model)
+    shards = sum(p.ds_tensor.numel() for p in model.parameters()) * 4 / 2**30  # fp32
+    assert weights == grads == shards and shards < 0.51 * full_weights, (weights, full_weights)
+
+
+def _fsdp2_case(rank: int, world: int) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    model = tiny_llama()
+    full = _owner_sizes(model)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return {"full": full, "sharded": _owner_sizes(model)}
+
+
+def test_fsdp2_dtensor_parameters_counted_by_their_local_shard():
+    per_rank = run_distributed(_fsdp2_case, 2, timeout=300)
+    full_weights, full_grads = per_rank[0]["full"]
+    weights = [r["sharded"][0] for r in per_rank]
+    grads = [r["sharded"][1] for r in per_rank]
+    # the ranks' shards add up to the whole model (dim-0 shards, the last one possibly shorter)
+    rtol = TOL["fp64_reordered"][0]  # sums of the same byte counts / 2**30 in another order
+    assert sum(weights) == pytest.approx(full_weights, rel=rtol) and all(w < full_weights for w in weights)
+    assert sum(grads) == pytest.approx(full_grads, rel=rtol)
