@@ -278,7 +278,7 @@ class ActivationOffload:
                 contexts.append(saved_tensors_hooks(pack, self.offloader.unpack))
             for context in contexts:
                 context.__enter__()
-            calls[-1] = (choice, placement, contexts)
+            calls[-1] = (group, choice, placement, contexts)
 
         return enter
 
@@ -287,9 +287,14 @@ class ActivationOffload:
             call = self._calls().pop()
             if call is None:
                 return
-            choice, placement, contexts = call
+            group, choice, placement, contexts = call
             for context in reversed(contexts):
                 context.__exit__(None, None, None)
+            hidden = output[0] if isinstance(output, (tuple, list)) else output
+            if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+                # this layer's backward begins when its output's gradient arrives: bring back the nearest
+                # earlier offloaded group then, also when this layer itself offloaded nothing
+                hidden.register_hook(self._prefetch_hook(group))
             if choice != "gpu" and not placement.consulted:
                 raise RuntimeError(
                     f"kept_attention={choice!r} for decoder layer {index}, but its checkpoint is not "
@@ -299,6 +304,12 @@ class ActivationOffload:
                 )
 
         return exit_
+
+    def _prefetch_hook(self, group: int):
+        def prefetch(grad: torch.Tensor) -> None:  # returns None: the gradient passes unchanged
+            self.offloader.prefetch_before(group)
+
+        return prefetch
 
     # ------------------------------------------------------------------------------------ report
     def report(self) -> dict[str, Any]:

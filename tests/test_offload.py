@@ -376,6 +376,8 @@ def test_inputs_split_by_the_host_budget():
     model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     report = offload.report()
     assert report["offloaded_tensors"] == 1 and report["offload_inputs_host_layers"] == 1, report
+    # layer 0's input came back ahead, when layer 1's backward began (layer 1 itself offloaded nothing)
+    assert offload.offloader.groups_prefetched == 1
     assert_grads_close(grads_of(model), grads_of(want), "split inputs")
 
 
