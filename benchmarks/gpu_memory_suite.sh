@@ -10,7 +10,7 @@
 set -u
 out="${1:?output directory}"
 layers="${2:-32}"
-ladder="${3:-+tiled=262144,524288 remat=131072}"
+ladder="${3:-+norms=262144,524288 remat=131072}"
 lengths="${4:-}"
 mkdir -p "$out"
 # shellcheck source=benchmarks/gpu_env.sh

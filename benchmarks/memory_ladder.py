@@ -10,6 +10,7 @@ run that does not finish (out of memory, error, timeout). Technique sets are cum
     +offload  and the checkpointed layer inputs in pinned host memory
     +kept     and the kept attention outputs placed per layer (``--kept-attention auto``)
     +tiled    and the tiled MLP
+    +norms    and the tiled norms (the decoder layers' and the final norm: no float32 copies of the hidden states)
 
 (``+X``: every set up to X in this order; ``remat+offload+tiled``: exactly those.) Each row: status, peak
 allocated and reserved device memory, the host memory pinned by the offload, the median step time of the
@@ -48,6 +49,7 @@ TECHNIQUES = {  # in the order the sets accumulate them: name -> the recipe's fl
     "offload": ["--offload-activations"],
     "kept": ["--kept-attention", "auto"],
     "tiled": ["--tiled-mlp", "{tile}"],
+    "norms": ["--tiled-norms", "{tile}"],
 }
 DEFAULT_TOKENS = "65536,131072,262144,393216,524288"
 DEFAULT_LENGTHS = [1024, 2048, 4096, 8192, 16384, 32768]
@@ -252,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-layers", type=int, default=None, help="the recipe's --num-layers")
     p.add_argument(
         "--ladder", action="append", default=None, metavar="SET[=T1,T2,...]",
-        help="a technique set (remat, +liger, +offload, +kept, +tiled, or remat+X+Y) and its tokens per step; "
+        help="a technique set (remat, +liger, +offload, +kept, +tiled, +norms, or remat+X+Y) and its tokens per step; "
         "repeat for several sets (default: every +X set at --tokens)",
     )  # fmt: skip
     p.add_argument("--tokens", default=DEFAULT_TOKENS, help="tokens per step of a set without '=...'")
@@ -267,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--doc-lengths", default=None, help=f"JSON list of document lengths (default {DEFAULT_LENGTHS})"
     )
     p.add_argument(
-        "--tile-tokens", type=int, default=0, help="+tiled: tokens per MLP tile (0: the hidden size)"
+        "--tile-tokens", type=int, default=0, help="+tiled, +norms: tokens per tile (0: the hidden size)"
     )
     p.add_argument("--recipe-args", default="", help="more flags for every recipe run (one string)")
     return p

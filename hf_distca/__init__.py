@@ -9,7 +9,7 @@ from hf_distca.engine import InconsistentInputError, core_attention, local_atten
 from hf_distca.nano_batches import forward_nano_batches, nano_batch_loss
 from hf_distca.offloading import OffloadOptions, offload_activations
 from hf_distca.planning import CATask, CorePlan, Piece, PieceError, plan_core_attention
-from hf_distca.tiled_mlp import tile_mlp
+from hf_distca.tiled_mlp import tile_mlp, tile_norms
 from hf_distca.trainer import DistCATrainer, DistCATrainerMixin
 from hf_distca.version import __version__
 
@@ -37,4 +37,5 @@ __all__ = [
     "plan_core_attention",
     "remat_checkpointing_kwargs",
     "tile_mlp",
+    "tile_norms",
 ]

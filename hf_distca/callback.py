@@ -89,6 +89,9 @@ class DistCACallback(TrainerCallback):
             the ranks). Needs activation checkpointing; the choice is in :attr:`memory_report`.
         tiled_mlp: run each decoder layer's MLP over tiles of this many tokens (0: the model's hidden size;
             :func:`hf_distca.tiled_mlp.tile_mlp`), keeping only its input for backward. None: off.
+        tiled_norms: run the decoder layers' norms and the final norm over tiles of this many tokens (0: the
+            hidden size; :func:`hf_distca.tiled_mlp.tile_norms`): only their input is kept for backward, their
+            float32 temporaries exist one tile at a time. None: off.
     """
 
     def __init__(
@@ -106,6 +109,7 @@ class DistCACallback(TrainerCallback):
         layout: LayoutFn | None = None,
         offload: OffloadOptions | None = None,
         tiled_mlp: int | None = None,
+        tiled_norms: int | None = None,
     ):
         self.config = config or DistCAConfig()
         if not isinstance(tokens_per_rank, int) or tokens_per_rank < self.config.shard_tokens:
@@ -122,11 +126,12 @@ class DistCACallback(TrainerCallback):
         self.pad_token_id = pad_token_id
         self.recompute_attention = recompute_attention
         self.layout = layout
-        if tiled_mlp is not None and (not isinstance(tiled_mlp, int) or tiled_mlp < 0):
-            raise ValueError(
-                f"tiled_mlp={tiled_mlp!r} (--tiled-mlp): give tokens per tile (0: the hidden size) or None"
-            )
-        self.offload, self.tiled_mlp = offload, tiled_mlp
+        for name, value in (("tiled_mlp", tiled_mlp), ("tiled_norms", tiled_norms)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise ValueError(
+                    f"{name}={value!r} (--{name.replace('_', '-')}): give tokens per tile (0: the hidden size) or None"
+                )
+        self.offload, self.tiled_mlp, self.tiled_norms = offload, tiled_mlp, tiled_norms
         self._offload = None
         self.batches: DistCABatches | None = None
         self._trainer = None
@@ -169,28 +174,35 @@ class DistCACallback(TrainerCallback):
             self.offload, attn_implementation=impl, checkpointing=_checkpointing_on(args),
             remat=not self.recompute_attention and not user.get("use_reentrant", False),
         )  # fmt: skip
-        if getattr(args, "torch_compile", False) and (
-            self.tiled_mlp is not None or (self.offload and self.offload.active)
-        ):
+        tiling = self.tiled_mlp is not None or self.tiled_norms is not None
+        if getattr(args, "torch_compile", False) and (tiling or (self.offload and self.offload.active)):
             raise ValueError(
-                "offload / tiled_mlp (--offload-activations, --kept-attention, --tiled-mlp) are not traced by "
-                "torch.compile (module hooks entering saved-tensor hooks, an autograd function holding the MLP): "
-                "leave out --torch-compile (TrainingArguments(torch_compile=True)) or these options"
+                "offload / tiled_mlp / tiled_norms (--offload-activations, --kept-attention, --tiled-mlp, "
+                "--tiled-norms) are not traced by torch.compile (module hooks entering saved-tensor hooks, an "
+                "autograd function holding the module): leave out --torch-compile (TrainingArguments(torch_compile="
+                "True)) or these options"
             )
-        if self.tiled_mlp is not None:
+        if tiling:
             from transformers.integrations import is_deepspeed_zero3_enabled
 
-            from hf_distca.tiled_mlp import tile_mlp
+            from hf_distca.tiled_mlp import tile_mlp, tile_norms
 
             if is_deepspeed_zero3_enabled():
+                tiles = {"tiled_mlp": self.tiled_mlp, "tiled_norms": self.tiled_norms}
+                given = [(n, v) for n, v in tiles.items() if v is not None]
+                what = " and ".join(f"{n}={v!r}" for n, v in given)
+                flags = ", ".join("--" + n.replace("_", "-") for n, _ in given)
                 raise ValueError(
-                    f"tiled_mlp={self.tiled_mlp!r} (--tiled-mlp) does not run under DeepSpeed ZeRO-3: its backward "
-                    "runs each tile's MLP again and returns the parameters' gradients itself, and ZeRO-3 has "
-                    "partitioned those parameters again by then. Leave out --tiled-mlp under ZeRO-3 (--offload-"
-                    "activations works there), or tile the MLP under DDP or FSDP2"
+                    f"{what} ({flags}) does not run under DeepSpeed ZeRO-3: its backward runs each tile again and "
+                    "returns the parameters' gradients itself, and ZeRO-3 has partitioned those parameters again by "
+                    f"then. Leave out {flags} under ZeRO-3 (--offload-activations works there), or tile under DDP "
+                    "or FSDP2"
                 )
-
-            tile_mlp(model, self.tiled_mlp or None)  # before the Trainer wraps the model
+            # before the Trainer wraps the model
+            if self.tiled_mlp is not None:
+                tile_mlp(model, self.tiled_mlp or None)
+            if self.tiled_norms is not None:
+                tile_norms(model, self.tiled_norms or None)
         if trainer.train_dataset is None:
             raise ValueError("DistCACallback needs DistCATrainer(train_dataset=...) with tokenized documents")
         documents = TokenDocuments(trainer.train_dataset, column=self.column)
@@ -289,9 +301,10 @@ class DistCACallback(TrainerCallback):
     @property
     def memory_report(self) -> dict:
         """What the memory options chose and moved: the kept-attention policy per layer, offloaded tensors,
-        the host arena's size, the tiled MLPs (empty without them)."""
+        the host arena's size, the tiled MLPs and norms (empty without them)."""
         out = {} if self._offload is None else self._offload.report()
-        if self.tiled_mlp is not None and self._trainer is not None:
+        tiling = self.tiled_mlp is not None or self.tiled_norms is not None
+        if tiling and self._trainer is not None:
             from hf_distca.tiled_mlp import tiled_mlp_report
 
             out.update(tiled_mlp_report(self._trainer.model))

@@ -17,30 +17,21 @@ from typing import Any
 import torch
 
 from hf_distca import kept_attention as kept
+from hf_distca.offloading import OFFLOAD_ATTR, decoder_layers, local_numel
 
 __all__ = ["memory_by_owner"]
 
 GIB = 2**30
 
 
-def _local_numel(tensor: torch.Tensor) -> int:
-    """Elements this rank holds of ``tensor``: its local shard under FSDP2 (a DTensor's ``numel`` is the
-    global size) and ZeRO-3 (a partitioned parameter has ``numel`` 0; its shard is ``ds_tensor``)."""
-    shard = getattr(tensor, "ds_tensor", None)
-    if isinstance(shard, torch.Tensor):
-        return shard.numel()
-    to_local = getattr(tensor, "to_local", None)  # torch.distributed.tensor.DTensor
-    return to_local().numel() if callable(to_local) else tensor.numel()
-
-
 def _tensor_bytes(tensors) -> int:
-    return sum(_local_numel(t) * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    return sum(local_numel(t) * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 def _optimizer_tensors(optimizer: Any):
     for state in getattr(optimizer, "state", {}).values():
         if isinstance(state, dict):
-            yield from (v for v in state.values() if isinstance(v, torch.Tensor) and _local_numel(v) > 1)
+            yield from (v for v in state.values() if isinstance(v, torch.Tensor) and local_numel(v) > 1)
 
 
 def memory_by_owner(
@@ -57,11 +48,9 @@ def memory_by_owner(
     ``compute_dtype``); the offload installed on ``model`` (``model.distca_offload``) says where inputs and
     kept outputs are. ``peak_allocated``: the step's peak allocated device bytes, for the rest (None: no
     device figures, e.g. the CPU)."""
-    from hf_distca.offloading import OFFLOAD_ATTR, decoder_layers
-
     params = [p for p in model.parameters()]
     weights = _tensor_bytes(params)
-    gradients = sum(_local_numel(p) * p.element_size() for p in params if p.requires_grad)
+    gradients = sum(local_numel(p) * p.element_size() for p in params if p.requires_grad)
     states = _tensor_bytes(_optimizer_tensors(optimizer)) if optimizer is not None else 0
     layers = decoder_layers(model)
     checkpointed = sum(bool(getattr(layer, "gradient_checkpointing", False)) for layer in layers)

@@ -42,6 +42,7 @@ __all__ = [
     "check_offload_applies",
     "choose_offloaded_inputs",
     "decoder_layers",
+    "local_numel",
     "offload_activations",
     "pins_host_memory",
     "resolve_over_ranks",
@@ -109,6 +110,16 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
+def local_numel(tensor: torch.Tensor) -> int:
+    """Elements this rank holds of ``tensor``: its local shard under FSDP2 (a DTensor's ``numel`` is the
+    global size) and ZeRO-3 (a partitioned parameter has ``numel`` 0; its shard is ``ds_tensor``)."""
+    shard = getattr(tensor, "ds_tensor", None)
+    if isinstance(shard, torch.Tensor):
+        return shard.numel()
+    to_local = getattr(tensor, "to_local", None)  # torch.distributed.tensor.DTensor
+    return to_local().numel() if callable(to_local) else tensor.numel()
+
+
 def choose_offloaded_inputs(
     layers: int, input_bytes: int, *, free_host: int | None, host_fraction: float = 0.8
 ) -> list[bool]:
@@ -142,6 +153,7 @@ class ActivationOffload:
     def __init__(self, model: torch.nn.Module, options: OffloadOptions) -> None:
         self.options = options
         self.layers = decoder_layers(model)
+        self._params = list(model.parameters())
         if not self.layers:
             raise ValueError(
                 f"offload_activations: {type(model).__name__} has no Transformers decoder layers "
@@ -191,6 +203,10 @@ class ActivationOffload:
             )  # fmt: skip
             self.choice["offload_inputs_free_host_gib"] = host_share / 2**30
         if self.policy is None:
+            if free_device is not None:  # the gradients the first backward allocates are not free memory
+                reserved = self.gradients_to_come()
+                free_device = max(0, free_device - reserved)
+                self.choice["kept_attention_gradients_reserved_gib"] = reserved / 2**30
             kept_bytes = kept.kept_attention_bytes(tokens, self._heads or 0, self._head_dim, dtype)
             on_host = sum(self.inputs_policy) * self.input_layer_bytes
             self.policy = kept.choose_kept_attention(
@@ -204,6 +220,16 @@ class ActivationOffload:
                 kept_attention_layer_gib=kept_bytes / 2**30,
             )
         return self.policy
+
+    def gradients_to_come(self) -> int:
+        """Bytes of the gradients that backward will allocate on the device and that do not exist yet:
+        parameters that require one, have none, and are not in host memory (FSDP2's CPU offload keeps
+        parameters and their gradients there); a sharded parameter counts its local shard."""
+        return sum(
+            local_numel(p) * p.element_size()
+            for p in self._params
+            if p.requires_grad and p.grad is None and p.device.type != "cpu"
+        )
 
     def _place_arena(self, hidden_states: torch.Tensor) -> None:
         """Page-lock the host arena where the activations are on a CUDA device (:func:`pins_host_memory`),

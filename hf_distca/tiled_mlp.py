@@ -1,13 +1,17 @@
-"""Tiled MLP: each decoder layer's MLP run over token tiles, keeping only its input for backward.
+"""Tiled position-wise modules: each decoder layer's MLP and norms run over token tiles, keeping only
+their input for backward.
 
 A Llama-style MLP's intermediate activations (tokens x intermediate size, three of them for SwiGLU) are its
-largest tensors at long sequence lengths; at 512K tokens they dwarf the layer's input. :func:`tile_mlp`
-replaces each decoder layer's ``mlp`` by a :class:`TiledMLP` (a module swap through ``setattr``) whose
-forward runs the original module over tiles of ``tile_tokens`` tokens inside one autograd function that
-saves only the input; its backward runs each tile again under autograd and takes the gradients of the
-input and of the MLP's parameters tile by tile (``torch.autograd.grad``), summed into one gradient per
+largest tensors at long sequence lengths; at 512K tokens they dwarf the layer's input. A norm that computes
+in float32 (Llama's RMSNorm upcasts its input) saves a float32 copy of its input and a normalized copy, three
+times the input's bytes in bf16, and its backward makes several more float32 temporaries of that size.
+:func:`tile_mlp` and :func:`tile_norms` replace each decoder layer's ``mlp`` (its norms, and the model's final
+norm) by a :class:`TiledModule` (a module swap through ``setattr``) whose forward runs the original module
+over tiles of ``tile_tokens`` tokens inside one autograd function that saves only the input; its backward
+runs each tile again under autograd and takes the gradients of the input and of the module's parameters
+tile by tile (``torch.autograd.grad``), summed (in float32 for 16-bit parameters) into one gradient per
 parameter that the function returns (so each parameter receives one gradient per backward, as DDP and
-gradient accumulation expect). Exact up to the summation order of the parameter gradients.
+gradient accumulation expect). Exact row by row; the parameter gradients up to their summation order.
 
 The wrapper registers the original module's children, parameters and buffers as its own (the original is
 kept outside the module tree), so ``state_dict`` keys and parameter objects are unchanged: checkpoints load
@@ -27,7 +31,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["TiledMLP", "tile_mlp", "tiled_mlp_report", "untile_mlp"]
+__all__ = [
+    "TiledMLP",
+    "TiledModule",
+    "TiledNorm",
+    "tile_mlp",
+    "tile_norms",
+    "tiled_mlp_report",
+    "untile_mlp",
+    "untile_norms",
+]
 
 
 class _Anchor(torch.autograd.Function):
@@ -50,15 +63,15 @@ def _tiles(rows: int, tile_rows: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
-def _run_tiles(mlp: torch.nn.Module, flat: torch.Tensor, tiles: list[tuple[int, int]]) -> torch.Tensor:
-    """The MLP of every row of ``flat`` (N, H), one tile at a time, into one (N, H_out) tensor."""
+def _run_tiles(module: torch.nn.Module, flat: torch.Tensor, tiles: list[tuple[int, int]]) -> torch.Tensor:
+    """The module of every row of ``flat`` (N, H), one tile at a time, into one (N, H_out) tensor."""
     out = None
     for start, end in tiles:
-        part = mlp(flat[start:end])  # (rows, H_out)
+        part = module(flat[start:end])  # (rows, H_out)
         if not isinstance(part, torch.Tensor):
             raise TypeError(
-                f"tile_mlp: {type(mlp).__name__} returns {type(part).__name__}, not a tensor (a mixture of experts "
-                "returning router logits?); only position-wise MLPs can be tiled"
+                f"tiling: {type(module).__name__} returns {type(part).__name__}, not a tensor (a mixture of experts "
+                "returning router logits?); only position-wise modules can be tiled"
             )
         if out is None:
             out = part.new_empty(flat.shape[0], part.shape[-1])  # (N, H_out)
@@ -66,8 +79,14 @@ def _run_tiles(mlp: torch.nn.Module, flat: torch.Tensor, tiles: list[tuple[int, 
     return out
 
 
+def _accumulator(grad: torch.Tensor) -> torch.Tensor:
+    """A running sum for a parameter's per-tile gradients: float32 for 16-bit gradients (so that summing
+    hundreds of tiles does not round at every addition), else the gradient itself."""
+    return grad.float() if grad.dtype in (torch.float16, torch.bfloat16) else grad
+
+
 class _TiledFunction(torch.autograd.Function):
-    """y = mlp(x) over token tiles; saves nothing itself (the input is the anchor's)."""
+    """y = module(x) over token tiles; saves nothing itself (the input is the anchor's)."""
 
     @staticmethod
     def forward(ctx, x, anchor, mlp, tile_rows, *params):  # type: ignore[override]
@@ -101,20 +120,22 @@ class _TiledFunction(torch.autograd.Function):
                 dx[start:end] = grads[0]
                 for i, g in enumerate(grads[1:]):
                     if g is not None:
-                        sums[i] = g if sums[i] is None else sums[i].add_(g)
+                        sums[i] = _accumulator(g) if sums[i] is None else sums[i].add_(g)
+        sums = [None if g is None else g.to(p.dtype) for g, p in zip(sums, trained)]
         by_param = dict(zip(map(id, trained), sums))
         param_grads = [by_param.get(id(p)) for p in ctx.params]
         return (dx.view_as(x), None, None, None, *param_grads)
 
 
-class TiledMLP(torch.nn.Module):
-    """``original`` (an MLP module) run over tiles of ``tile_tokens`` tokens (see the module docstring);
-    same parameters, same ``state_dict`` keys."""
+class TiledModule(torch.nn.Module):
+    """``original`` (a position-wise module: each row of its output depends on the same row of its input
+    only) run over tiles of ``tile_tokens`` tokens (see the module docstring); same parameters, same
+    ``state_dict`` keys."""
 
     def __init__(self, original: torch.nn.Module, tile_tokens: int) -> None:
         super().__init__()
         if not isinstance(tile_tokens, int) or tile_tokens < 1:
-            raise ValueError(f"TiledMLP tile_tokens must be a positive int, got {tile_tokens!r}")
+            raise ValueError(f"{type(self).__name__} tile_tokens must be a positive int, got {tile_tokens!r}")
         object.__setattr__(self, "original", original)  # outside the module tree: keys stay the MLP's
         for name, child in original.named_children():
             self.add_module(name, child)
@@ -137,6 +158,14 @@ class TiledMLP(torch.nn.Module):
         return f"tile_tokens={self.tile_tokens}, original={type(self.original).__name__}"
 
 
+class TiledMLP(TiledModule):
+    """A decoder layer's MLP over token tiles (:func:`tile_mlp`)."""
+
+
+class TiledNorm(TiledModule):
+    """A norm over the last dimension (RMSNorm, LayerNorm) over token tiles (:func:`tile_norms`)."""
+
+
 def _layers_with_mlp(model: torch.nn.Module) -> list[torch.nn.Module]:
     from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -145,6 +174,14 @@ def _layers_with_mlp(model: torch.nn.Module) -> list[torch.nn.Module]:
         for m in model.modules()
         if isinstance(m, GradientCheckpointingLayer) and isinstance(getattr(m, "mlp", None), torch.nn.Module)
     ]
+
+
+def _tile_tokens(model: torch.nn.Module, tile_tokens: int | None, caller: str) -> int:
+    if tile_tokens is None:
+        tile_tokens = getattr(getattr(model, "config", None), "hidden_size", None)
+        if not tile_tokens:
+            raise ValueError(f"{caller}: the model's config has no hidden_size; give tile_tokens")
+    return int(tile_tokens)
 
 
 def tile_mlp(model: torch.nn.Module, tile_tokens: int | None = None) -> int:
@@ -157,10 +194,7 @@ def tile_mlp(model: torch.nn.Module, tile_tokens: int | None = None) -> int:
             f"tile_mlp: {type(model).__name__} has no decoder layers (Transformers GradientCheckpointingLayer) "
             "with an `mlp` module to tile"
         )
-    if tile_tokens is None:
-        tile_tokens = getattr(getattr(model, "config", None), "hidden_size", None)
-        if not tile_tokens:
-            raise ValueError("tile_mlp: the model's config has no hidden_size; give tile_tokens")
+    tile_tokens = _tile_tokens(model, tile_tokens, "tile_mlp")
     for layer in layers:
         mlp = layer.mlp.original if isinstance(layer.mlp, TiledMLP) else layer.mlp
         if any(hasattr(mlp, name) for name in ("experts", "router")):
@@ -182,7 +216,71 @@ def untile_mlp(model: torch.nn.Module) -> int:
     return count
 
 
+def _is_norm(module: torch.nn.Module) -> bool:
+    """A norm over the last dimension: a ``torch.nn.LayerNorm`` of one normalized dimension, or a module
+    whose class is named ``...RMSNorm`` / ``...LayerNorm`` (Transformers' norms) with a 1-D weight or none."""
+    if isinstance(module, torch.nn.LayerNorm):
+        return len(module.normalized_shape) == 1
+    name = type(module).__name__
+    weight = getattr(module, "weight", None)
+    return name.endswith(("RMSNorm", "LayerNorm")) and (weight is None or weight.dim() == 1)
+
+
+def _norm_slots(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
+    """(parent, attribute) of every norm that is a direct child of a decoder layer or of the module holding
+    the decoder layers (the final norm), in module order."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    slots = []
+    for parent in model.modules():
+        layers = getattr(parent, "layers", None)
+        holds_layers = isinstance(layers, torch.nn.ModuleList) and any(
+            isinstance(layer, GradientCheckpointingLayer) for layer in layers
+        )
+        if not (isinstance(parent, GradientCheckpointingLayer) or holds_layers):
+            continue
+        for name, child in parent.named_children():
+            norm = child.original if isinstance(child, TiledNorm) else child
+            if _is_norm(norm):
+                slots.append((parent, name))
+    return slots
+
+
+def tile_norms(model: torch.nn.Module, tile_tokens: int | None = None) -> int:
+    """Swap every norm of the decoder layers (e.g. Llama's ``input_layernorm``, ``post_attention_layernorm``)
+    and the model's final norm for a :class:`TiledNorm` of ``tile_tokens`` tokens per tile (None: the
+    model's ``hidden_size``): only their input is kept for backward, and their float32 temporaries exist
+    for one tile at a time. Calling it again re-tiles. Returns how many norms were tiled."""
+    slots = _norm_slots(model)
+    if not slots:
+        raise ValueError(
+            f"tile_norms: {type(model).__name__} has no RMSNorm/LayerNorm modules over the last dimension in its "
+            "decoder layers (Transformers GradientCheckpointingLayer) to tile"
+        )
+    tile_tokens = _tile_tokens(model, tile_tokens, "tile_norms")
+    for parent, name in slots:
+        norm = getattr(parent, name)
+        setattr(parent, name, TiledNorm(norm.original if isinstance(norm, TiledNorm) else norm, tile_tokens))
+    return len(slots)
+
+
+def untile_norms(model: torch.nn.Module) -> int:
+    """Undo :func:`tile_norms`. Returns how many norms went back to their original module."""
+    slots = [
+        (parent, name) for parent, name in _norm_slots(model) if isinstance(getattr(parent, name), TiledNorm)
+    ]
+    for parent, name in slots:
+        setattr(parent, name, getattr(parent, name).original)
+    return len(slots)
+
+
 def tiled_mlp_report(model: torch.nn.Module) -> dict[str, Any]:
-    """Tiled MLPs of ``model`` and their tile size (for reports)."""
+    """Tiled MLPs and norms of ``model`` and their tile sizes (for reports)."""
     tiled = [layer.mlp for layer in _layers_with_mlp(model) if isinstance(layer.mlp, TiledMLP)]
-    return {"tiled_mlps": len(tiled), "tiled_mlp_tokens": tiled[0].tile_tokens if tiled else None}
+    norms = [m for m in model.modules() if isinstance(m, TiledNorm)]
+    return {
+        "tiled_mlps": len(tiled),
+        "tiled_mlp_tokens": tiled[0].tile_tokens if tiled else None,
+        "tiled_norms": len(norms),
+        "tiled_norm_tokens": norms[0].tile_tokens if norms else None,
+    }

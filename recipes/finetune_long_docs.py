@@ -184,6 +184,14 @@ def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
         help="run each decoder layer's MLP over tiles of TOKENS tokens (0: the model's hidden size), keeping only "
         "its input for backward (hf_distca.tile_mlp)",
     )
+    p.add_argument(
+        "--tiled-norms",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="run the decoder layers' norms and the final norm over tiles of TOKENS tokens (0: the hidden size), "
+        "keeping only their input for backward: no float32 copies of the hidden states (hf_distca.tile_norms)",
+    )
     p.add_argument("--bf16", action="store_true")
     p.add_argument(
         "--torch-compile",
@@ -195,6 +203,13 @@ def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
     p.add_argument("--cpu", action="store_true", help="train on the CPU even if GPUs are present")
     p.add_argument("--deepspeed", default=None, help="DeepSpeed JSON config (or use an accelerate config)")
     p.add_argument("--no-save", action="store_true", help="skip saving the final model")
+    p.add_argument(
+        "--memory-snapshot",
+        action="store_true",
+        help="CUDA only: record the CUDA allocator's history during the last step and write the blocks live at its "
+        "peak, by the code that allocated them, to OUTPUT_DIR/memory_snapshot_rank<R>.json "
+        "(hf_distca.memory_snapshot; slows that step)",
+    )
     p.add_argument("--save-steps", type=int, default=0, help="checkpoint every N optimizer steps (0: none)")
     p.add_argument(
         "--resume-from-checkpoint", default=None, help="a checkpoint directory of an earlier run to continue"
@@ -504,6 +519,7 @@ def prepare(args, training_args):
         layout=None if args.layout == "distca" else LAYOUTS[args.layout],
         offload=offload if offload.active else None,
         tiled_mlp=args.tiled_mlp,
+        tiled_norms=args.tiled_norms,
     )
     return tokenizer, documents, model, callback
 
@@ -512,8 +528,20 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     training_args = TrainingArguments(**training_kwargs(args))
     tokenizer, documents, model, callback = prepare(args, training_args)
+    callbacks = [callback]
+    if args.memory_snapshot:
+        if args.max_steps < 1:
+            raise ValueError("--memory-snapshot records the last step: give --max-steps N (N >= 1)")
+        if not torch.cuda.is_available() or training_args.use_cpu:
+            raise ValueError(
+                "--memory-snapshot records the CUDA allocator: it needs a CUDA GPU; leave it out on the CPU"
+            )
+        from hf_distca.memory_snapshot import peak_step_callback
+
+        path = os.path.join(args.output_dir, f"memory_snapshot_rank{training_args.process_index}.json")
+        callbacks.append(peak_step_callback(args.max_steps, path))
     trainer = hf_distca.DistCATrainer(
-        model=model, args=training_args, train_dataset=documents, callbacks=[callback]
+        model=model, args=training_args, train_dataset=documents, callbacks=callbacks
     )
     return finish(args, trainer, callback, tokenizer)
 

@@ -88,7 +88,7 @@ def parse_args(argv=None):
     if args.deepspeed:
         p.error("--deepspeed: this recipe sets its own DeepSpeed config (ZERO3)")
     memory = {"--offload-activations": args.offload_activations, "--kept-attention": args.kept_attention != "gpu",
-              "--tiled-mlp": args.tiled_mlp is not None}  # fmt: skip
+              "--tiled-mlp": args.tiled_mlp is not None, "--tiled-norms": args.tiled_norms is not None}  # fmt: skip
     if any(memory.values()):
         p.error(
             f"{', '.join(k for k, v in memory.items() if v)}: DistCACallback's memory options; this recipe trains "

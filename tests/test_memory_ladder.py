@@ -18,7 +18,7 @@ from test_recipe import load_recipe
 from benchmarks import memory_ladder
 
 SIZES = (1024, 2048)
-SETS = ("remat", "remat+offload+kept+tiled")
+SETS = ("remat", "remat+offload+kept+tiled+norms")
 VOCAB = 4096  # the recipe's --doc-lengths vocabulary (LENGTHS_VOCAB)
 GIB = 2**30
 

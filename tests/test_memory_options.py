@@ -67,7 +67,12 @@ def test_tiled_mlp_backward_runs_under_the_forwards_autocast():
 
 def test_tiled_mlp_report_is_public():
     assert "tiled_mlp_report" in hf_distca.tiled_mlp.__all__
-    assert tiled_mlp_report(tiny_llama()) == {"tiled_mlps": 0, "tiled_mlp_tokens": None}
+    assert tiled_mlp_report(tiny_llama()) == {
+        "tiled_mlps": 0,
+        "tiled_mlp_tokens": None,
+        "tiled_norms": 0,
+        "tiled_norm_tokens": None,
+    }
 
 
 # ------------------------------------------------------------------------------ offloaded inputs' split
@@ -197,3 +202,105 @@ def test_fsdp2_dtensor_parameters_counted_by_their_local_shard():
     rtol = TOL["fp64_reordered"][0]  # sums of the same byte counts / 2**30 in another order
     assert sum(weights) == pytest.approx(full_weights, rel=rtol) and all(w < full_weights for w in weights)
     assert sum(grads) == pytest.approx(full_grads, rel=rtol)
+
+
+# ------------------------------------------------------------------------------------ tiled norms
+def _fp32_hidden_copies(model, ids) -> tuple[int, float]:
+    """Rows of the largest float32 tensor of the hidden size made in one training step of ``model`` (a bf16
+    model: float32 there is a norm's upcast), and the loss."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        rows = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.shape[-1:] == (HIDDEN,):
+                    self.rows = max(self.rows, t.numel() // HIDDEN)
+            return out
+
+    with Largest() as mode:
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+    return mode.rows, loss.item()
+
+
+def test_tiled_norms_are_exact_keep_state_dict_keys_and_upcast_one_tile_at_a_time():
+    """tile_norms swaps both norms of every decoder layer and the final norm: the same state_dict keys, the
+    loss and every gradient of a checkpointed step equal the step without checkpointing or tiling (fp32,
+    TOL["grads"]); on a bf16 model the float32 copies Llama's RMSNorm makes of the hidden states hold one
+    tile's rows at a time, not the sequence's."""
+    tile, length = 16, 90
+    base = tiny_llama()
+    ids = torch.tensor([docs_of([length], seed=8)[0]])
+    want = with_mode(base, "none")
+    want(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    model = with_mode(base, "remat")
+    assert hf_distca.tile_norms(model, tile) == 2 * LAYERS + 1
+    assert model.state_dict().keys() == base.state_dict().keys()
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    rtol, atol = TOL["grads"]
+    for name, g in grads_of(want).items():
+        torch.testing.assert_close(grads_of(model)[name], g, rtol=rtol, atol=atol, msg=name)
+    rows = {}
+    for tiled in (False, True):
+        model = with_mode(base.to(torch.bfloat16), "remat")
+        if tiled:
+            hf_distca.tile_norms(model, tile)
+        rows[tiled], _ = _fp32_hidden_copies(model, ids)
+    assert rows[False] == length and 0 < rows[True] <= tile, rows  # equal tiles of <= tile rows
+    assert hf_distca.tiled_mlp.untile_norms(model) == 2 * LAYERS + 1
+    assert tiled_mlp_report(model)["tiled_norms"] == 0
+
+
+def test_tiled_parameter_gradients_are_summed_in_float32():
+    """bf16 parameters, 24 tiles: each parameter's gradient is the float32 sum of its per-tile gradients in
+    tile order, rounded to bf16 once (bit-identical); summing in bf16 instead rounds at every tile and
+    differs (the check has the power to fail)."""
+    mlp = copy.deepcopy(tiny_llama().model.layers[0].mlp).to(torch.bfloat16)
+    x = torch.randn(2, 96, HIDDEN, generator=torch.Generator().manual_seed(2)).bfloat16()
+    grad = torch.randn(2, 96, HIDDEN, generator=torch.Generator().manual_seed(3)).bfloat16()
+    tile = 8
+    tiled = TiledMLP(copy.deepcopy(mlp), tile)
+    xin = x.clone().requires_grad_(True)
+    tiled(xin * 1.0).backward(grad)
+    flat, gflat = x.reshape(-1, HIDDEN), grad.reshape(-1, HIDDEN)  # (N, H)
+    names = [n for n, _ in mlp.named_parameters()]
+    fp32 = {n: None for n in names}
+    bf16 = dict(fp32)
+    for start in range(0, flat.shape[0], tile):
+        part = flat[start : start + tile].clone().requires_grad_(True)
+        grads = torch.autograd.grad(mlp(part * 1.0), list(mlp.parameters()), gflat[start : start + tile])
+        for n, g in zip(names, grads, strict=True):
+            fp32[n] = g.float() if fp32[n] is None else fp32[n] + g.float()
+            bf16[n] = g if bf16[n] is None else bf16[n] + g
+    differs = False
+    for n, p in tiled.named_parameters():
+        assert p.grad.dtype == torch.bfloat16
+        assert torch.equal(p.grad, fp32[n].to(torch.bfloat16)), n
+        differs |= not torch.equal(p.grad, bf16[n])
+    assert differs, "summing in bf16 gave the same bits: the check cannot tell the two apart"
+
+
+def test_auto_kept_attention_reserves_the_gradients_backward_will_allocate():
+    """kept_attention="auto" at the first step: the free device memory it shares out excludes the gradients
+    that the first backward allocates (parameters off the CPU without a gradient yet): with room for every
+    kept output only before that reserve, they go to host memory; once the gradients exist, to the device."""
+    tokens = 64
+    policies = {}
+    for grads_exist in (False, True):
+        model = with_mode(tiny_llama(), "remat").to("meta")  # off the CPU, no memory
+        if grads_exist:
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
+        offload = offload_activations(model, kept_attention="auto")
+        layer_kept = kept_attention.kept_attention_bytes(tokens, 4, 16, torch.float32)
+        inputs = LAYERS * tokens * HIDDEN * 4  # float32 inputs, all on the device (inputs=False)
+        free_device = 2 * (inputs + LAYERS * layer_kept)  # device_fraction 0.5: room for every kept output
+        policies[grads_exist] = offload.resolve(tokens, torch.float32, free_device=free_device, free_host=1 << 40)
+        grads = sum(p.numel() * 4 for p in model.parameters())
+        assert grads > free_device  # the reserve takes it all
+        reserved = offload.report()["kept_attention_gradients_reserved_gib"]
+        assert reserved == (0 if grads_exist else grads / 2**30)
+    assert policies == {False: ["host"] * LAYERS, True: ["gpu"] * LAYERS}, policies
