@@ -38,7 +38,11 @@ def test_int32_offsets_refuse_rows_past_2_31_instead_of_wrapping():
     ok = int32_offsets(np.array([0, 5, INT32_MAX], dtype=np.int64))
     assert ok.dtype == torch.int32 and ok.tolist() == [0, 5, INT32_MAX]
     assert int32_offsets([0, 3]).tolist() == [0, 3]
-    for bad in (np.array([0, 2**31], dtype=np.int64), [0, 2**31 + 5], torch.tensor([0, 2**32], dtype=torch.int64)):
+    for bad in (
+        np.array([0, 2**31], dtype=np.int64),
+        [0, 2**31 + 5],
+        torch.tensor([0, 2**32], dtype=torch.int64),
+    ):
         with pytest.raises(ValueError, match="int32"):
             int32_offsets(bad)
 
@@ -67,7 +71,13 @@ def test_cudnn_ragged_offsets_are_int64_element_offsets_past_2_31():
     )
     assert len_q.dtype == torch.int32 and len_q.flatten().tolist() == [DOC] * 3
     ends = (*starts, TOKENS)
-    for got, per_row in ((off_q, HQ * D), (off_k, HKV * D), (off_o, HQ * D), (off_stats_out, HQ), (off_stats_q, HQ)):
+    for got, per_row in (
+        (off_q, HQ * D),
+        (off_k, HKV * D),
+        (off_o, HQ * D),
+        (off_stats_out, HQ),
+        (off_stats_q, HQ),
+    ):
         assert got.dtype == torch.int64
         assert got.flatten().tolist() == [r * per_row for r in ends]
     assert off_q.flatten()[-1] == TOKENS * HQ * D > 2**31
@@ -88,7 +98,8 @@ def test_dispatch_index_arrays_are_int64_so_element_offsets_do_not_wrap(world):
     docs_per_rank = DOCS // world
     # documents in reverse order inside each rank, so the gathers move rows across element 2**31
     pieces = [
-        [(d, 0, DOC) for d in reversed(range(r * docs_per_rank, (r + 1) * docs_per_rank))] for r in range(world)
+        [(d, 0, DOC) for d in reversed(range(r * docs_per_rank, (r + 1) * docs_per_rank))]
+        for r in range(world)
     ]
     plan = plan_core_attention(pieces, q_row_bytes=HQ * D * 2, kv_row_bytes=2 * HKV * D * 2)
     for rank in range(world):
@@ -119,3 +130,28 @@ def test_dispatch_index_arrays_are_int64_so_element_offsets_do_not_wrap(world):
             # one rank: documents ascending in the kernel, gathered from the reversed local order
             assert pool_rows[:DOC].tolist() == list(range(TOKENS - DOC, TOKENS))
             assert index.out_gather[-DOC:].tolist() == list(range(DOC))
+
+
+def test_one_rank_engine_gathers_split_documents_across_element_2_31():
+    """The layout of tests/test_gpu_large_index.py's engine test, planned on the CPU (stride-0 tensors: no
+    memory): each document's two halves lie far apart in local rows (first halves in reverse document order,
+    then second halves), and the server kernel gets every document whole, in order, gathered by int64 rows."""
+    from hf_distca import DistCAConfig
+    from hf_distca.engine import EngineState, prepare
+
+    half = DOC // 2
+    pieces = [(d, 0, half) for d in reversed(range(DOCS))] + [(d, half, half) for d in range(DOCS)]
+    q, k = torch.zeros(1, 1, 1).expand(TOKENS, HQ, D), torch.zeros(1, 1, 1).expand(TOKENS, HKV, D)
+    prepared = prepare(q, k, k, pieces, config=DistCAConfig(cost_table=None), state=EngineState())
+    want = np.concatenate([
+        np.r_[np.arange((DOCS - 1 - d) * half, (DOCS - d) * half), np.arange((DOCS + d) * half, (DOCS + d + 1) * half)]
+        for d in range(DOCS)
+    ])  # fmt: skip
+    index = prepared.index
+    assert not prepared.communicates
+    assert prepared.cu_seqlens_q.dtype == torch.int32
+    assert prepared.cu_seqlens_q.tolist() == prepared.cu_seqlens_k.tolist() == list(range(0, TOKENS + 1, DOC))
+    assert index.kernel_q_index.dtype == index.kernel_kv_index.dtype == index.out_gather.dtype == np.int64
+    assert np.array_equal(index.kernel_q_index, want) and np.array_equal(index.kernel_kv_index, want)
+    assert np.array_equal(want[index.out_gather], np.arange(TOKENS))  # outputs come back to their rows
+    assert int(index.kernel_q_index.max()) * HQ * D > 2**31
