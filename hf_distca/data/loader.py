@@ -6,6 +6,7 @@ each global micro-batch without communication; each rank then keeps its own shar
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -17,6 +18,7 @@ from hf_distca.data.rebatch import LayoutFn, layout_balanced, layout_for_rank
 from hf_distca.data.sampler import plan_global_batches
 from hf_distca.engine.compiled import register_layout
 from hf_distca.engine.state import engine_state
+from hf_distca.kernels.common import int32_offsets
 from hf_distca.planning.window import attended_pairs
 
 
@@ -306,7 +308,8 @@ class DistCABatches(IterableDataset):
         else:
             # baseline: every local piece is its own sequence (no context from other ranks)
             lengths = [int(p[2]) for p in mine.pieces if int(p[2]) > 0]
-            cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            # row offsets past 2**31 - 1 are refused, not wrapped as an int32 cumsum would
+            cu = int32_offsets(list(itertools.accumulate(lengths, initial=0)))
             batch.update(
                 cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths)
             )

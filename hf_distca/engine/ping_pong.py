@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from hf_distca.engine.prepare import PreparedAttention
+from hf_distca.kernels.common import int32_offsets
 from hf_distca.planning import build_dispatch_index, forward_flops_per_pair
 from hf_distca.planning.ping_pong import part_plans
 from hf_distca.planning.relay import with_relay
@@ -72,8 +73,8 @@ def ping_pong_parts(prepared: PreparedAttention, shard_tokens: int, split: str =
                 q_heads=prepared.q_heads,
                 kv_heads=prepared.kv_heads,
                 head_dim=prepared.head_dim,
-                cu_seqlens_q=torch.as_tensor(index.cu_seqlens_q, dtype=torch.int32),
-                cu_seqlens_k=torch.as_tensor(index.cu_seqlens_k, dtype=torch.int32),
+                cu_seqlens_q=int32_offsets(index.cu_seqlens_q),
+                cu_seqlens_k=int32_offsets(index.cu_seqlens_k),
                 flops_before=flops,
                 flops_after=flops,
             )

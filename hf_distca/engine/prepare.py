@@ -56,6 +56,7 @@ from hf_distca.engine.state import (
     group_key,
 )
 from hf_distca.kernels import VarlenOffsets
+from hf_distca.kernels.common import int32_offsets
 from hf_distca.planning import (
     CorePlan,
     DispatchIndex,
@@ -89,7 +90,8 @@ class PreparedAttention:
     kv_heads: int
     head_dim: int
     cu_seqlens_q: torch.Tensor
-    """(tasks + 1,) int32 on the CPU: the server kernel's query offsets (kernels read them on the host)."""
+    """(tasks + 1,) int32 on the CPU: the server kernel's query offsets in ROWS (kernels read them on the host;
+    :func:`~hf_distca.kernels.common.int32_offsets` refuses, never wraps, rows past 2**31 - 1)."""
     cu_seqlens_k: torch.Tensor
     flops_before: list[float]
     """Per server, forward core-attention FLOPs of one call without balancing (each rank its own pieces)."""
@@ -306,8 +308,8 @@ def _planned(
         q_heads=q_heads,
         kv_heads=kv_heads,
         head_dim=head_dim,
-        cu_seqlens_q=torch.as_tensor(index.cu_seqlens_q, dtype=torch.int32),
-        cu_seqlens_k=torch.as_tensor(index.cu_seqlens_k, dtype=torch.int32),
+        cu_seqlens_q=int32_offsets(index.cu_seqlens_q),
+        cu_seqlens_k=int32_offsets(index.cu_seqlens_k),
         flops_before=[x * flops_per_pair for x in plan.pairs_before],
         flops_after=[x * flops_per_pair for x in plan.pairs_after],
         common_key=context.common_key(digest),

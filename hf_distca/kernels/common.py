@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 
@@ -130,6 +132,7 @@ def check_inputs(
             )
         if any(b < a for a, b in zip(bounds, bounds[1:])):
             raise ValueError(f"{name} must be non-decreasing, got {list(bounds)}")
+        check_int32_rows(bounds[-1])  # non-decreasing from 0: the last offset is the largest
     longest_q = longest_k = 0
     for i in range(len(q_bounds) - 1):
         lq, lk = q_bounds[i + 1] - q_bounds[i], k_bounds[i + 1] - k_bounds[i]
@@ -155,9 +158,36 @@ def check_inputs(
     )
 
 
+INT32_MAX = 2**31 - 1
+"""The largest offset an int32 ``cu_seqlens`` holds: offsets count TOKENS (rows), never elements; element
+offsets (rows x heads x head_dim, past 2**31 from 524288 rows of 32 x 128) are int64 everywhere."""
+
+
+def int32_offsets(offsets: np.ndarray | torch.Tensor | Sequence[int]) -> torch.Tensor:
+    """Host cumulative row offsets (a NumPy array, a sequence or a CPU tensor) as a CPU int32 tensor,
+    refusing offsets past :data:`INT32_MAX` rather than wrapping them as ``.to(torch.int32)`` and
+    ``torch.as_tensor(int64 array, dtype=torch.int32)`` do silently."""
+    t = offsets if isinstance(offsets, torch.Tensor) else torch.as_tensor(np.asarray(offsets, dtype=np.int64))
+    if t.is_floating_point() or t.dtype == torch.bool:
+        raise ValueError(f"cu_seqlens must be integers, got {t.dtype}")
+    if t.dtype != torch.int32 and t.numel():
+        check_int32_rows(int(t.max()), int(t.min()))
+    return t.to(torch.int32)
+
+
+def check_int32_rows(largest: int, smallest: int = 0) -> None:
+    """Refuse row offsets an int32 ``cu_seqlens`` cannot hold (what the varlen kernels take)."""
+    if largest > INT32_MAX or smallest < -INT32_MAX - 1:
+        raise ValueError(
+            f"cu_seqlens reach {largest if largest > INT32_MAX else smallest} rows, past what an int32 offset "
+            f"holds ({INT32_MAX}: the varlen kernels take int32 row offsets); split the batch"
+        )
+
+
 def device_offsets(cu_seqlens: torch.Tensor, device: torch.device) -> torch.Tensor:
     """cu_seqlens as int32 on ``device``; a host tensor goes through pinned memory so the copy does not
-    wait for the device's queued work."""
+    wait for the device's queued work. The offsets are those :func:`check_inputs` validated (non-decreasing
+    from 0 up to the row count, at most :data:`INT32_MAX`), so the conversion never wraps."""
     if cu_seqlens.device == device:
         return cu_seqlens.to(torch.int32)
     host = cu_seqlens.to(torch.int32)
