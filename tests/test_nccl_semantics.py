@@ -93,6 +93,7 @@ def _check(results: list[dict], names: list[str]) -> list[str]:
 def test_every_schedule_equals_the_oracle_under_nccl_semantics(world, names):
     results = run_distributed(schedule_case, world, names, False, 0, timeout=280)
     failures = _check(results, names)
+    record(f"test_nccl_semantics::every_schedule[{world}]", schedules=names, failures=failures)
     assert not failures, "\n".join(failures)
 
 
@@ -107,6 +108,7 @@ def test_one_wait_removed_is_caught():
     names = ["ping_pong:local_first", "layer_ping_pong"]
     results = run_distributed(schedule_case, 2, names, True, 0, timeout=280)
     failures = _check(results, names)
+    record("test_nccl_semantics::one_wait_removed", schedules=names, failures=failures)
     assert {f.split(": ")[0] for f in failures} >= {f"rank {r} {n}" for r in range(2) for n in names}, (
         failures
     )
