@@ -80,8 +80,10 @@ def preloaded_context():
     """Processes forked from a server that imported torch, Transformers, hf_distca and the main recipe once (per
     test process): each rank starts in well under a second instead of importing them again, and the server
     forks before any thread or process group of the tests exists (unlike forking the test process). The
-    server starts at the first process and keeps ``sys.path`` as it was then, so the recipes' folder is put
-    on it first."""
+    server starts at the first process and keeps ``sys.path`` and the environment as they were then, so the
+    recipes' folder is put on it first; ``TORCH_CUDA_SANITIZER`` set before that reaches every rank (the
+    server imports torch with it, and each rank is forked with the sanitizer's dispatch mode on; see
+    tests/test_nccl_semantics.py)."""
     recipes = os.path.join(ROOT, "recipes")
     if recipes not in sys.path:
         sys.path.append(recipes)

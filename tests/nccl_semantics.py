@@ -26,7 +26,7 @@ pair the host-side exchanges that run at ``wait()``.
 The rank function :func:`schedule_case` (run on 2-4 gloo processes sharing GPU 0 by
 tests/test_nccl_semantics.py) trains one step of a tiny Llama with rematerialization-aware checkpointing in
 each schedule; ``broken`` makes :class:`hf_distca.comm.Exchange` wait on a stream nobody uses (the
-negative control: one wait removed).
+negative control: one wait removed); :func:`sanitized_schedule_case` runs it under PyTorch's CUDA sanitizer.
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+SANITIZER_ENV = "TORCH_CUDA_SANITIZER"
+"""Set when torch is imported, PyTorch's CUDA sanitizer (CSAN) checks every kernel launch's stream order."""
 SLEEP_CYCLES = (200_000, 4_000_000)
 """Range of each random delay on the private stream (GPU clock cycles: ~0.1-2 ms on an H200)."""
 CHURN_BYTES = (1 << 16, 1 << 22)
@@ -88,11 +90,14 @@ class Semantics:
     def sleep(self) -> None:
         torch.cuda._sleep(self._rng.randint(*SLEEP_CYCLES))
 
-    def churn_allocations(self, device: torch.device) -> None:
+    def churn_allocations(self, device: torch.device, nbytes: int | None = None) -> None:
         """Allocate, overwrite and free a few blocks on the current stream (recently freed memory is
-        handed out again and filled with garbage at once)."""
+        handed out again and filled with garbage at once); ``nbytes``: each block's size (default random
+        within :data:`CHURN_BYTES`; a freed buffer of exactly that size is the caching allocator's first
+        choice)."""
         for _ in range(self.churn):
-            block = torch.empty(self._rng.randint(*CHURN_BYTES), dtype=torch.uint8, device=device)
+            size = nbytes if nbytes is not None else self._rng.randint(*CHURN_BYTES)
+            block = torch.empty(size, dtype=torch.uint8, device=device)
             block.fill_(0xFF)  # NaN in every float dtype
             del block
 
@@ -263,3 +268,35 @@ def schedule_case(rank: int, world: int, names: list[str], broken: bool = False,
             "waited": semantics.waited,
         }
     return out
+
+
+# ------------------------------------------------------------------ under PyTorch's CUDA sanitizer
+def sanitized_schedule_case(rank: int, world: int, names: list[str], broken: bool = False) -> dict:
+    """:func:`schedule_case` in a process whose torch was imported with :data:`SANITIZER_ENV` set
+    (CSAN: every kernel launch's reads and writes checked against the streams' events). The races it
+    finds are recorded instead of raised (a rank that raised mid-step would leave the others in a gloo
+    exchange); ``launches``: the kernel launches it checked (0: it was not on in this process). CSAN
+    sees the emulated exchange's private stream (its poison, late copies and events), not gloo's host
+    side."""
+    from torch.cuda import _sanitizer as csan
+
+    handler = csan.cuda_sanitizer.dispatch.event_handler
+    launch = handler._handle_kernel_launch
+    races: list[str] = []
+
+    def recorded(*args: Any, **kwargs: Any) -> list:
+        races.extend(str(error) for error in launch(*args, **kwargs))
+        return []  # nothing raised: the step runs to its end on every rank
+
+    handler._handle_kernel_launch = recorded
+    try:
+        run = schedule_case(rank, world, names, broken)
+    finally:
+        handler._handle_kernel_launch = launch
+    return {
+        "enabled": csan.cuda_sanitizer.enabled,
+        "launches": handler.seq_num,
+        "races": len(races),
+        "first_races": races[:3],
+        "run": run,
+    }
