@@ -49,7 +49,7 @@ from hf_distca.linear.ops import (
 )
 from hf_distca.linear.simulate import PointToPointLink, best_blocks, chain_scan_time, fit_link
 
-from .common import median_ms
+from .common import init_process_group, median_ms
 
 CHECK_TOL = 2e-2  # max |a - b| / max |b| per tensor: bf16/tf32 kernels against the float64 reference
 
@@ -564,7 +564,7 @@ def main(argv=None) -> None:
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    init_process_group("nccl" if use_cuda else "gloo")  # NCCL: bound to LOCAL_RANK's GPU
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     dist.all_reduce(torch.zeros(1, device=device))  # communicators up before any point-to-point op
     rank, world = dist.get_rank(), dist.get_world_size()

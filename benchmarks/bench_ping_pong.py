@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import gzip
 import json
 import os
@@ -69,6 +68,7 @@ from .common import (
     add_step_arguments,
     barrier,
     build_model,
+    init_process_group,
     load_lengths,
     long_share,
     select_device,
@@ -220,7 +220,7 @@ def main(argv=None) -> int:
     DEVICE, DTYPE = selected
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    dist.init_process_group("gloo" if args.cpu else "nccl", timeout=datetime.timedelta(seconds=300))
+    init_process_group("gloo" if args.cpu else "nccl", timeout_s=300)
     rank = dist.get_rank()
     group = dist.new_group(list(range(world))) if args.attn_group == "dedicated" else dist.group.WORLD
 

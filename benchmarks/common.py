@@ -32,12 +32,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB_DOCS = 32000  # token ids of the generated documents (the model's vocabulary stays 128K)
 
 
+def init_process_group(backend: str, timeout_s: int = 300) -> None:
+    """Start the world's process group; for NCCL, on this process's LOCAL_RANK GPU: set as the current device
+    first and bound to the group (``device_id``), so that every collective of the run is on that device and a
+    later change of the current device is refused (:func:`hf_distca.comm.collective_device`)."""
+    kwargs: dict = {"timeout": datetime.timedelta(seconds=timeout_s)}
+    if backend == "nccl":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        kwargs["device_id"] = torch.device("cuda", local_rank)
+    dist.init_process_group(backend, **kwargs)
+
+
 def init_distributed(cpu: bool, timeout_s: int = 300) -> tuple[int, int, object]:
     """(rank, world, group) of this torchrun process; with WORLD_SIZE > 1 a gloo (``cpu``) or NCCL process
     group over the world is started first."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
-        dist.init_process_group("gloo" if cpu else "nccl", timeout=datetime.timedelta(seconds=timeout_s))
+        init_process_group("gloo" if cpu else "nccl", timeout_s)
     rank = dist.get_rank() if dist.is_initialized() else 0
     return rank, world, dist.group.WORLD if dist.is_initialized() else None
 
@@ -48,7 +60,7 @@ def init_nccl(script: str) -> tuple[int, int] | None:
     if select_device(cpu=False) is None:
         print(f"{script} needs CUDA GPUs (run it with torchrun on a GPU machine)", file=sys.stderr)
         return None
-    dist.init_process_group("nccl")
+    init_process_group("nccl")
     return dist.get_rank(), dist.get_world_size()
 
 

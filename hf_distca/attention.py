@@ -34,7 +34,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from hf_distca.attention_inputs import local_batch, padding_mask, past_batch
+from hf_distca.attention_inputs import local_batch, mask_has_padding, padding_mask, past_batch, remember_mask
 from hf_distca.comm import collective_device, group_rank_world
 from hf_distca.config import DistCAConfig
 from hf_distca.data.nano import NANO_BATCHES
@@ -198,8 +198,16 @@ def distca_padding_mask(
     mask = attention_mask[:, -kv_length:].bool()  # (B, n), n = tokens so far
     if torch.compiler.is_compiling():
         return mask  # no host read inside a compiled region: the attention function decides
-    if mask.shape[1] == kv_length and bool(mask.all()):
+    if mask.shape[1] != kv_length:
+        return mask  # keys from n on are unused slots of a static cache
+    # one host read per mask tensor (the full and sliding masks of a forward are built from the same one,
+    # and hf_distca.nano_batches decides the nano-batches' before their interleave starts); the layers
+    # read the verdict remembered for the mask returned, never the mask
+    state = engine_state()
+    whole = attention_mask.dtype == torch.bool and attention_mask.shape[1] == kv_length
+    if not mask_has_padding(state, attention_mask if whole else mask):
         return None
+    remember_mask(state, mask, True)
     return mask
 
 
@@ -281,7 +289,8 @@ def _run_distributed(
         problem = CallerInputError(SEVERAL_ROWS)
     else:
         mask = padding_mask(attention_mask, batch, seq)
-        if mask is not None and not bool(mask.bool().all()):
+        # the verdict is read once per mask tensor, not per layer (usually decided by the mask function)
+        if mask is not None and mask_has_padding(runtime.state, mask):
             problem = CallerInputError(PADDED_ROW)
     out = core_attention(
         _flat(query),

@@ -6,6 +6,8 @@ in a one-slot cache (checked by the source tensors' identity and version) that t
 (:attr:`hf_distca.engine.state.EngineState.forward_inputs`).
 
 - :func:`padding_mask`: the 2-D padding mask, refusing 4-D and additive masks;
+- :func:`mask_has_padding`: whether a 2-D mask masks anything, read on the host once per mask tensor
+  (where the mask is first seen: its build, before the layers) and reused by every layer;
 - :func:`local_batch`: without past keys, the documents of packed rows (``cu_seq_lens_q/k``, else
   ``position_ids``, else one per row) or of padded rows (unpadded);
 - :func:`past_batch`: with past keys (a KV cache), one sequence per row whose queries are its last
@@ -23,7 +25,17 @@ import torch
 from hf_distca.engine.state import EngineState
 from hf_distca.packing import Unpadded, cu_seqlens_from_lengths, packed_document_lengths, unpad
 
-__all__ = ["LocalBatch", "OneSlotCache", "PastBatch", "local_batch", "padding_mask", "past_batch"]
+__all__ = [
+    "LocalBatch",
+    "MaskVerdicts",
+    "OneSlotCache",
+    "PastBatch",
+    "local_batch",
+    "mask_has_padding",
+    "padding_mask",
+    "remember_mask",
+    "past_batch",
+]
 
 
 @dataclass
@@ -84,6 +96,63 @@ class OneSlotCache:
         self._value = value
 
 
+MASK_VERDICTS = 8
+"""Masks whose verdict is remembered (a forward's, its nano-batches', the next forward's)."""
+
+
+class MaskVerdicts:
+    """Whether each recent 2-D mask tensor masks anything, by the tensor object (a weak reference) and
+    its version: the host read of a mask's verdict happens once per mask tensor, not once per layer.
+
+    Several slots, not one: under layer-level ping-pong the nano-batches' forwards alternate layer by
+    layer, each with its own mask."""
+
+    def __init__(self) -> None:
+        self._slots: list[tuple[weakref.ref, int, bool]] = []  # the oldest first
+
+    def get(self, mask: torch.Tensor) -> bool | None:
+        for ref, version, padded in self._slots:
+            if ref() is mask:  # this very tensor (never its id: a dead tensor's id is reused)
+                return padded if version == _version(mask) else None
+        return None
+
+    def put(self, mask: torch.Tensor, padded: bool) -> None:
+        version = _version(mask)
+        if version is None:
+            return  # an inference tensor has no version counter: not remembered
+        kept = [slot for slot in self._slots if slot[0]() is not None and slot[0]() is not mask]
+        self._slots = [*kept, (weakref.ref(mask), version, padded)][-MASK_VERDICTS:]
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors have no version counter
+        return None
+
+
+def _masks_anything(mask: torch.Tensor) -> bool:
+    """The host read: whether ``mask`` (2-D, 0/1 or boolean) holds a zero (one device synchronisation)."""
+    return not bool(mask.bool().all())
+
+
+def mask_has_padding(state: EngineState, mask: torch.Tensor) -> bool:
+    """Whether the 2-D padding ``mask`` masks any position, read on the host once per mask tensor and
+    remembered in ``state`` (:class:`MaskVerdicts`); :func:`remember_mask` records a verdict known
+    without reading (a mask returned because it masks something)."""
+    verdicts = state.forward_inputs.setdefault("mask_verdicts", MaskVerdicts())
+    known = verdicts.get(mask)
+    if known is None:
+        known = _masks_anything(mask)
+        verdicts.put(mask, known)
+    return known
+
+
+def remember_mask(state: EngineState, mask: torch.Tensor, padded: bool) -> None:
+    """Record ``mask``'s verdict (see :func:`mask_has_padding`) without reading it."""
+    state.forward_inputs.setdefault("mask_verdicts", MaskVerdicts()).put(mask, padded)
+
+
 def _cache(state: EngineState, name: str) -> OneSlotCache:
     """``state``'s one-slot cache ``name`` ("local": the last forward without past keys; "past": with)."""
     return state.forward_inputs.setdefault(name, OneSlotCache())
@@ -130,7 +199,7 @@ def local_batch(
     hit = _cache(state, "local").get((batch, seq), sources)
     if hit is not None:
         return hit
-    if mask is not None and bool(mask.bool().all()):
+    if mask is not None and not mask_has_padding(state, mask):
         mask = None  # a mask that masks nothing: fall back to packing kwargs / position ids
     if mask is not None:
         if cu_q is not None or cu_k is not None:

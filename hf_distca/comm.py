@@ -34,11 +34,33 @@ def group_rank_world(group: Any) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def bound_device(group: Any) -> torch.device | None:
+    """The device ``group`` (None: the world) is bound to (``init_process_group(device_id=...)``, public as
+    the process group's ``bound_device_id``); None when it is not bound (gloo, or no ``device_id``)."""
+    pg = dist.group.WORLD if group is None else group
+    return getattr(pg, "bound_device_id", None)
+
+
 def collective_device(group: Any, device: torch.device) -> torch.device:
-    """Where a collective on ``group`` wants its tensors (CUDA for NCCL, the CPU for gloo)."""
+    """Where a collective on ``group`` wants its tensors (CUDA for NCCL, the CPU for gloo).
+
+    NCCL: ``device`` when it is a CUDA device, else the group's bound device (the device fixed once at
+    ``init_process_group(device_id=...)``), else the current CUDA device. Refuses a current CUDA device other
+    than the bound one: a collective on the wrong device hangs or fails inside NCCL."""
     backend = dist.get_backend(group)
     if backend == "nccl":
-        return device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+        bound = bound_device(group)
+        current = torch.cuda.current_device()
+        if bound is not None and bound.index is not None and bound.index != current:
+            raise RuntimeError(
+                f"the process group is bound to {bound} (init_process_group(device_id=...)) but this process's "
+                f"current CUDA device is cuda:{current}; call torch.cuda.set_device({bound.index}) before "
+                "training (Accelerate and torchrun recipes set it from LOCAL_RANK), or bind the group to the "
+                "device the process uses"
+            )
+        if device.type == "cuda":
+            return device
+        return bound if bound is not None else torch.device("cuda", current)
     if backend == "gloo":
         return torch.device("cpu")
     return device

@@ -130,7 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         DEVICE = torch.device("cuda", 0 if args.one_gpu else int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(DEVICE)
     if not dist.is_initialized():
-        dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout))
+        bound = (
+            {"device_id": DEVICE} if args.backend == "nccl" else {}
+        )  # the device fixed once, for every collective
+        dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout), **bound)
     world = dist.get_world_size()
     schedules = list(SCHEDULES)
     relay = {"kv_relay": True, "ranks_per_node": args.ranks_per_node}

@@ -157,5 +157,7 @@ def test_offload_without_checkpointing_or_with_plain_recompute_is_refused(tmp_pa
 def test_memory_flags_with_torch_compile_are_refused(tmp_path):
     callback = hf_distca.DistCACallback(512, disaggregate=False, tiled_mlp=0)
     args = trainer_args(tmp_path, max_steps=1, torch_compile=True, torch_compile_backend="aot_eager")
-    with pytest.raises(ValueError, match=r"--tiled-norms\) are not traced by torch.compile.*leave out --torch-compile"):
+    with pytest.raises(
+        ValueError, match=r"--tiled-norms\) are not traced by torch.compile.*leave out --torch-compile"
+    ):
         hf_distca.DistCATrainer(model=tiny_llama(), args=args, train_dataset=dataset(), callbacks=[callback])

@@ -298,7 +298,9 @@ def test_auto_kept_attention_reserves_the_gradients_backward_will_allocate():
         layer_kept = kept_attention.kept_attention_bytes(tokens, 4, 16, torch.float32)
         inputs = LAYERS * tokens * HIDDEN * 4  # float32 inputs, all on the device (inputs=False)
         free_device = 2 * (inputs + LAYERS * layer_kept)  # device_fraction 0.5: room for every kept output
-        policies[grads_exist] = offload.resolve(tokens, torch.float32, free_device=free_device, free_host=1 << 40)
+        policies[grads_exist] = offload.resolve(
+            tokens, torch.float32, free_device=free_device, free_host=1 << 40
+        )
         grads = sum(p.numel() * 4 for p in model.parameters())
         assert grads > free_device  # the reserve takes it all
         reserved = offload.report()["kept_attention_gradients_reserved_gib"]

@@ -13,6 +13,13 @@ Determinism: the order of turns depends only on the program (round robin in the 
 turn ends at a switch or a return), never on timing, so every rank issues its collectives in the same
 order. Each thread starts with the caller's grad mode, autocast settings, CUDA device and stream.
 
+The first round: a nano-batch's first engine call prepares (the consistency check of its new layout and
+the comparison of its new plan: all-gathers whose results the host reads) and then passes the turn
+until every live nano-batch has prepared its own first call (:meth:`Interleave.first_call_prepared`);
+only then does the first of them start its dispatch. So no host read of a check waits behind another
+nano-batch's exchange, and the exchanges still start in the nano-batches' order (A's dispatch first).
+The price: the other nano-batches' first projections run before A's first dispatch instead of behind it.
+
 The chain: every engine node created under an interleave takes the previous node's chain token (a
 zero-size tensor that requires grad) and returns the next, across nano-batches, so autograd runs the
 nodes' backward in exactly the reverse of their creation order (autograd's own ordering uses per-thread
@@ -51,6 +58,7 @@ class Interleave:
         self._live = [True] * count
         self._failed = False
         self._chain: torch.Tensor | None = None
+        self._prepared = [False] * count
 
     # ------------------------------------------------------------------ the baton
     def _next_live(self, index: int) -> int | None:
@@ -75,6 +83,18 @@ class Interleave:
             self._turn = nxt
             self._cond.notify_all()
             self._wait_turn(index)
+
+    def first_call_prepared(self, index: int) -> None:
+        """Nano-batch ``index`` has prepared its first engine call (see the module docstring): pass the turn
+        until every live nano-batch has prepared its own, so that the checks' host reads all happen before
+        the first exchange starts. A later call returns at once."""
+        if self._prepared[index]:
+            return
+        self._prepared[index] = True
+        # at least one switch: a later nano-batch completing the round lets the earlier ones dispatch first
+        self.switch(index)
+        while not all(done or not live for done, live in zip(self._prepared, self._live)):
+            self.switch(index)
 
     def _finish(self, index: int, failed: bool) -> None:
         with self._cond:

@@ -286,6 +286,7 @@ def core_attention(
     metrics.record_call(prepared.flops_before, prepared.flops_after)
     here = interleave.current()
     if here is not None:  # a nano-batch of an interleaved forward: its exchanges around the other's work
+        here[0].first_call_prepared(here[1])  # every nano-batch's checks before the first exchange
         runner = PingPongRunner(whole(prepared), group, Kernel(scale, config.backend, softcap))
         return interleaved_core_attention(q, k, v, prepared, *here, runner=runner, sinks=sinks)
     runner = engine_runner(

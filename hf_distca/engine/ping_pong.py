@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from hf_distca.engine.prepare import PreparedAttention
+from hf_distca.kernels import host_to_device
 from hf_distca.kernels.common import int32_offsets
 from hf_distca.planning import build_dispatch_index, forward_flops_per_pair
 from hf_distca.planning.ping_pong import part_plans
@@ -43,7 +44,8 @@ class PartSplit:
         key = str(device)
         if key not in self._order:
             order = np.argsort(np.concatenate(self.rows), kind="stable")
-            self._order[key] = torch.as_tensor(order, dtype=torch.long).to(device, non_blocking=True)
+            # through pinned memory on CUDA: the copy does not block the host
+            self._order[key] = host_to_device(torch.as_tensor(order, dtype=torch.long), device)
         return self._order[key]
 
 

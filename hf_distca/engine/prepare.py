@@ -55,7 +55,7 @@ from hf_distca.engine.state import (
     engine_state,
     group_key,
 )
-from hf_distca.kernels import VarlenOffsets
+from hf_distca.kernels import VarlenOffsets, host_to_device
 from hf_distca.kernels.common import int32_offsets
 from hf_distca.planning import (
     CorePlan,
@@ -136,10 +136,8 @@ class PreparedAttention:
         if key not in self._on_device:
             ix = self.index
 
-            def as_t(a: np.ndarray) -> torch.Tensor:
-                return torch.as_tensor(np.ascontiguousarray(a), dtype=torch.long).to(
-                    device, non_blocking=True
-                )
+            def as_t(a: np.ndarray) -> torch.Tensor:  # through pinned memory on CUDA: no host wait
+                return host_to_device(torch.as_tensor(np.ascontiguousarray(a), dtype=torch.long), device)
 
             self._on_device[key] = DeviceIndex(
                 send_q_rows=as_t(ix.send_q_rows),

@@ -35,6 +35,7 @@ from hf_distca.kernels.common import (
     check_backward_inputs,
     check_inputs,
     check_sinks,
+    host_to_device,
 )
 from hf_distca.kernels.cudnn_backend import CudnnOptions
 from hf_distca.kernels.reference import reference_varlen_attention
@@ -50,6 +51,7 @@ __all__ = [
     "attention_backward",
     "attention_forward",
     "available_backends",
+    "host_to_device",
     "reference_varlen_attention",
     "resolve_backend",
     "sinks_backward",

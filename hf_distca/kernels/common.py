@@ -184,16 +184,26 @@ def check_int32_rows(largest: int, smallest: int = 0) -> None:
         )
 
 
+def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` (a CPU tensor) on ``device``, asynchronously for the host: a copy to CUDA goes through
+    pinned memory, since a ``non_blocking`` copy from pageable memory is synchronous for the host anyway.
+
+    The pinned source may be dropped at once: it comes from PyTorch's caching host allocator, which
+    records the copy's stream on it and reuses the block only once the copy is done. Elsewhere (the CPU,
+    or CUDA not available) an ordinary copy."""
+    device = torch.device(device)
+    if host.device == device:
+        return host
+    if device.type == "cuda" and host.device.type == "cpu":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 def device_offsets(cu_seqlens: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """cu_seqlens as int32 on ``device``; a host tensor goes through pinned memory so the copy does not
-    wait for the device's queued work. The offsets are those :func:`check_inputs` validated (non-decreasing
+    """cu_seqlens as int32 on ``device`` (a host tensor through :func:`host_to_device`: the copy does not
+    wait for the device's queued work). The offsets are those :func:`check_inputs` validated (non-decreasing
     from 0 up to the row count, at most :data:`INT32_MAX`), so the conversion never wraps."""
-    if cu_seqlens.device == device:
-        return cu_seqlens.to(torch.int32)
-    host = cu_seqlens.to(torch.int32)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
+    return host_to_device(cu_seqlens.to(torch.int32), device)
 
 
 def check_backward_inputs(dout: torch.Tensor, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:

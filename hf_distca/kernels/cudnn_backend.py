@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_distca.kernels.common import ForwardTensors, PackedSeqs
+from hf_distca.kernels.common import ForwardTensors, PackedSeqs, host_to_device
 from hf_distca.kernels.cudnn_calls import KernelCall, check_strategy, packed_starts, plan_calls
 from hf_distca.kernels.cudnn_frontend import aligned, launch_backward, launch_forward
 
@@ -67,9 +67,7 @@ def _row_index(starts: tuple[int, ...], lengths: tuple[int, ...], device: torch.
     lens = torch.tensor(lengths, dtype=torch.int64)
     shift = torch.tensor(starts, dtype=torch.int64) - (torch.cumsum(lens, 0) - lens)  # start - packed start
     rows = torch.arange(int(lens.sum()), dtype=torch.int64) + torch.repeat_interleave(shift, lens)
-    if device.type == "cuda":
-        rows = rows.pin_memory()
-    return rows.to(device, non_blocking=True)
+    return host_to_device(rows, device)  # pinned on CUDA: no host wait
 
 
 def forward(

@@ -25,7 +25,7 @@ from enum import IntEnum
 
 import torch
 
-from hf_distca.kernels.common import ForwardTensors
+from hf_distca.kernels.common import ForwardTensors, host_to_device
 from hf_distca.kernels.cudnn_calls import FULL, TOP_LEFT, KernelCall, bucket
 
 
@@ -268,10 +268,7 @@ def _metadata(call: KernelCall, b: int, hq: int, hk: int, d: int, device: torch.
     elements = torch.tensor([[hq * d], [hk * d], [hq * d], [hq], [hq]], dtype=torch.int64)
     offsets = (rows[[0, 1, 2, 2, 0]] * elements)[:, -1:].repeat(1, -(-(b + 1) // 2) * 2)  # (5, pitch)
     offsets[:, : call.num_seqs + 1] = rows[[0, 1, 2, 2, 0]] * elements
-    if torch.cuda.is_available():
-        lens, offsets = lens.pin_memory(), offsets.pin_memory()
-    lens = lens.to(device, non_blocking=True)
-    offsets = offsets.to(device, non_blocking=True)
+    lens, offsets = host_to_device(lens, device), host_to_device(offsets, device)  # pinned: no host wait
     return (
         *(lens[i, :b].view(b, 1, 1, 1) for i in range(2)),
         *(offsets[i, : b + 1].view(b + 1, 1, 1, 1) for i in range(5)),
@@ -386,7 +383,7 @@ def launch_backward(
         seq = torch.repeat_interleave(torch.arange(call.num_seqs), torch.tensor(call.q_lens))
         pos = torch.cat([torch.arange(n) for n in call.q_lens])
         row = torch.tensor(call.q_rows)[seq] + pos
-        seq, pos, row = (t.to(q.device, non_blocking=True) for t in (seq, pos, row))
+        seq, pos, row = (host_to_device(t, q.device) for t in (seq, pos, row))  # pinned: no host wait
         stats = torch.zeros(b, hq, s_q, dtype=torch.float32, device=q.device)
         stats[seq, :, pos] = lse[row]
     buffers = {
