@@ -114,3 +114,23 @@ def test_the_benchmarks_bind_local_rank(monkeypatch):
     seen.clear()
     common.init_process_group("gloo")
     assert "device_id" not in seen and "set_device" not in seen
+
+
+def test_the_side_stream_is_made_once_per_device_at_the_highest_priority(monkeypatch):
+    """The relay's side stream (EngineState.side_stream): one per device, asked for below every priority
+    range (torch clamps it to the device's highest; lower numbers are higher priorities)."""
+    from hf_distca.engine.state import SIDE_STREAM_PRIORITY, EngineState
+
+    made = []
+
+    class Stream:
+        def __init__(self, device, priority=0):
+            made.append((str(device), priority))
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    state = EngineState()
+    first = state.side_stream(torch.device("cuda", 0))
+    assert state.side_stream(torch.device("cuda", 0)) is first
+    state.side_stream(torch.device("cuda", 1))
+    assert made == [("cuda:0", SIDE_STREAM_PRIORITY), ("cuda:1", SIDE_STREAM_PRIORITY)]
+    assert SIDE_STREAM_PRIORITY <= -8  # past any CUDA range ([-5, 0] on Hopper), so the highest

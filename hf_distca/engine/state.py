@@ -31,6 +31,9 @@ COMPARED_PLANS = 32
 RUNNER_CACHE_SIZE = 16
 """Runners of the compiled attention ops kept."""
 
+SIDE_STREAM_PRIORITY = -64
+"""Below every CUDA device's priority range (lower is higher): torch clamps it to the highest priority."""
+
 GroupKey = tuple[int, ...]
 
 
@@ -111,8 +114,9 @@ class EngineState:
 
         key = str(device)
         if key not in self.side_streams:
-            # high priority: a relay's second stage is on the critical path of the layer that waits for it
-            self.side_streams[key] = torch.cuda.Stream(device, priority=-1)
+            # the highest priority the device has (torch maps a lower number than its range to the highest):
+            # a relay's second stage is on the critical path of the layer that waits for it
+            self.side_streams[key] = torch.cuda.Stream(device, priority=SIDE_STREAM_PRIORITY)
         return self.side_streams[key]
 
     def name(self, obj: Any, registry: weakref.WeakValueDictionary[int, Any]) -> int:
