@@ -75,6 +75,12 @@ class OffloadOptions:
     host_fraction: float = 0.8
     """The share of available host memory (divided among the node's ranks, ``LOCAL_WORLD_SIZE``) that
     offloaded layer inputs and, with ``kept_attention="auto"``, kept outputs may take."""
+    working_set_layers: float = 14.0
+    """``kept_attention="auto"``: the device memory one layer's recompute and backward (and the loss) take at
+    the peak, in multiples of one layer's checkpointed input, reserved before the kept outputs get their
+    share of free device memory. The default is an estimate for Llama-style layers with the tiled MLP and
+    norms (the attention's q, k, v, output and their gradients, the norms' outputs, the residual stream
+    and its gradient, the inputs brought back); the recipe's ``--memory-snapshot`` measures it."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.inputs, bool):
@@ -83,6 +89,10 @@ class OffloadOptions:
             object.__setattr__(self, "kept_attention", tuple(self.kept_attention))  # frozen: hashable
         layers = 1 if isinstance(self.kept_attention, str) else len(self.kept_attention)
         kept.per_layer(self.kept_attention, layers)
+        if not isinstance(self.working_set_layers, int | float) or self.working_set_layers < 0:
+            raise ValueError(
+                f"OffloadOptions.working_set_layers must be a number >= 0, got {self.working_set_layers!r}"
+            )
         for name in ("device_fraction", "host_fraction"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and 0.0 < value <= 1.0):
@@ -203,10 +213,12 @@ class ActivationOffload:
             )  # fmt: skip
             self.choice["offload_inputs_free_host_gib"] = host_share / 2**30
         if self.policy is None:
-            if free_device is not None:  # the gradients the first backward allocates are not free memory
-                reserved = self.gradients_to_come()
-                free_device = max(0, free_device - reserved)
-                self.choice["kept_attention_gradients_reserved_gib"] = reserved / 2**30
+            if free_device is not None:  # what backward allocates later is not free for kept outputs
+                gradients = self.gradients_to_come()
+                working_set = int(self.options.working_set_layers * self.input_layer_bytes)
+                free_device = max(0, free_device - gradients - working_set)
+                self.choice["kept_attention_gradients_reserved_gib"] = gradients / 2**30
+                self.choice["kept_attention_working_set_reserved_gib"] = working_set / 2**30
             kept_bytes = kept.kept_attention_bytes(tokens, self._heads or 0, self._head_dim, dtype)
             on_host = sum(self.inputs_policy) * self.input_layer_bytes
             self.policy = kept.choose_kept_attention(

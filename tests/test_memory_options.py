@@ -294,7 +294,7 @@ def test_auto_kept_attention_reserves_the_gradients_backward_will_allocate():
         if grads_exist:
             for p in model.parameters():
                 p.grad = torch.zeros_like(p)
-        offload = offload_activations(model, kept_attention="auto")
+        offload = offload_activations(model, kept_attention="auto", working_set_layers=0)
         layer_kept = kept_attention.kept_attention_bytes(tokens, 4, 16, torch.float32)
         inputs = LAYERS * tokens * HIDDEN * 4  # float32 inputs, all on the device (inputs=False)
         free_device = 2 * (inputs + LAYERS * layer_kept)  # device_fraction 0.5: room for every kept output
@@ -306,3 +306,27 @@ def test_auto_kept_attention_reserves_the_gradients_backward_will_allocate():
         reserved = offload.report()["kept_attention_gradients_reserved_gib"]
         assert reserved == (0 if grads_exist else grads / 2**30)
     assert policies == {False: ["host"] * LAYERS, True: ["gpu"] * LAYERS}, policies
+
+
+def test_auto_kept_attention_reserves_the_working_set():
+    """kept_attention="auto" reserves working_set_layers x one layer's input for backward's working set
+    before the kept outputs get their share: room for every output without the reserve, none with it."""
+    tokens = 64
+    layer_input = tokens * HIDDEN * 4
+    layer_kept = kept_attention.kept_attention_bytes(tokens, 4, 16, torch.float32)
+    policies = {}
+    for working_set in (0, 8):
+        model = with_mode(tiny_llama(), "remat").to("meta")
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)  # no gradients to come: only the working set is reserved
+        offload = offload_activations(model, kept_attention="auto", working_set_layers=working_set)
+        free_device = 2 * (LAYERS * layer_input + LAYERS * layer_kept)  # device_fraction 0.5: room for all
+        policies[working_set] = offload.resolve(
+            tokens, torch.float32, free_device=free_device, free_host=1 << 40
+        )
+        assert (
+            offload.report()["kept_attention_working_set_reserved_gib"] == working_set * layer_input / 2**30
+        )
+    assert policies == {0: ["gpu"] * LAYERS, 8: ["host"] * LAYERS}, policies
+    with pytest.raises(ValueError, match="working_set_layers must be a number >= 0, got -1"):
+        OffloadOptions(working_set_layers=-1)
