@@ -29,6 +29,20 @@ prepare_module = importlib.import_module("hf_distca.engine.prepare")  # the modu
 LENGTHS = [150, 40, 25, 9, 31, 60, 70]
 TOKENS_PER_RANK = 256
 
+SCHEDULES = {
+    "serial": ({"ping_pong": False}, 2, 4),
+    "ping_pong": ({"ping_pong": True}, 2, 8),
+    "layer_ping_pong": ({"layer_ping_pong": True}, 2, 4),
+    "relay": ({"ping_pong": False, "kv_relay": True, "ranks_per_node": 2}, 4, 7),
+}
+"""Every schedule the tests run in a pretended world: DistCAConfig fields, the world size, and the
+exchanges each engine call starts (``EngineStats.exchanges`` per ``EngineStats.calls``): the 4 phases
+(dispatch, the outputs' return, and their mirrors in backward), each twice under attention-level
+ping-pong (two nano-batch parts). The KV relay forwards only with several nodes of several ranks (with
+one rank a node every crossing lands on its relay already, and the index stays direct): 4 ranks in 2
+nodes of 2, where the 3 phases that carry KV each run as a two-stage chain (:func:`hf_distca.comm.chain`),
+7 exchanges a call."""
+
 
 class _Done:
     def wait(self) -> bool:

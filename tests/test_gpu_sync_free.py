@@ -1,9 +1,11 @@
 """No host synchronisation in the engine's per-layer path on CUDA (issue 31, outcome 4). Skipped without CUDA.
 
-A tiny bf16 Llama on one GPU, the engine pretending to be rank 0 of 2 (tests/fake_world.py: the checks'
-all-gathers agree, the all-to-alls zero what they receive on the issuing stream, ``wait()`` does not touch
-the host, as NCCL's), in every schedule: serial, attention-level ping-pong, layer-level ping-pong and the
-KV relay (its second stage from the side stream). A first step plans, checks the layout and compares the
+A tiny bf16 Llama on one GPU, in one process, the engine pretending to be rank 0 of 2 (tests/fake_world.py:
+the checks' all-gathers agree, the all-to-alls zero what they receive on the issuing stream, ``wait()``
+does not touch the host, as NCCL's), in every schedule (fake_world.SCHEDULES): serial, attention-level
+ping-pong, layer-level ping-pong and the KV relay, there rank 0 of 4 in 2 nodes of 2 (with one rank a
+node the relay forwards nothing), whose KV phases run as two-stage chains, the second stage from the side
+stream (``EngineStats.exchanges``: 7 a call, not 4). A first step plans, checks the layout and compares the
 plan (host reads allowed: the prepare stage); the same micro-batch again reuses all of it, and there every
 engine call of the forward (under layer-level ping-pong: its prepare and each stage, see
 :func:`_watch_the_engine`) and every engine node's backward run under ``torch.cuda.set_sync_debug_mode("error")``:
@@ -21,9 +23,10 @@ import importlib
 
 import pytest
 import torch
-from fake_world import micro_batch, model_for, pretend_world, train_step
+from fake_world import SCHEDULES, micro_batch, model_for, pretend_world, train_step
 
 from hf_distca import attention as attention_module
+from hf_distca import metrics
 from hf_distca.engine import layer_op, stages
 
 op_module = importlib.import_module("hf_distca.engine.op")
@@ -80,21 +83,14 @@ def _watch_the_engine(monkeypatch, interleaved: bool) -> None:
 
 
 @pytest.mark.parametrize("backend", ["reference", "auto"])
-@pytest.mark.parametrize(
-    "fields",
-    [
-        {"ping_pong": False},
-        {"ping_pong": True},
-        {"layer_ping_pong": True},
-        {"ping_pong": False, "kv_relay": True, "ranks_per_node": 1},
-    ],
-    ids=["serial", "ping_pong", "layer_ping_pong", "relay"],
-)
-def test_engine_layers_do_not_synchronise_after_planning(monkeypatch, fields, backend):
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_engine_layers_do_not_synchronise_after_planning(monkeypatch, schedule, backend):
+    fields, world, exchanges_per_call = SCHEDULES[schedule]
     torch.cuda.set_device(0)
     model = model_for(DEVICE, backend=backend, **fields)
-    batch = micro_batch(DEVICE, layer_ping_pong=fields.get("layer_ping_pong", False))
-    with pretend_world(monkeypatch) as log:
+    batch = micro_batch(DEVICE, layer_ping_pong=fields.get("layer_ping_pong", False), world=world)
+    metrics.reset()
+    with pretend_world(monkeypatch, world=world) as log:
         first = train_step(model, batch)  # plans, checks, builds kernel graphs: host reads allowed here
         checked = len(log)
         model.zero_grad(set_to_none=True)
@@ -105,3 +101,7 @@ def test_engine_layers_do_not_synchronise_after_planning(monkeypatch, fields, ba
     assert log[checked:] and set(log[checked:]) == {"all_to_all"}  # the second: only the exchanges
     assert torch.isfinite(first) and torch.isfinite(second)
     assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
+    # every call started its schedule's exchanges: with the relay, its KV phases as two-stage chains
+    stats = metrics.snapshot()
+    calls, exchanges = stats.calls, stats.exchanges
+    assert calls > 0 and exchanges == exchanges_per_call * calls, (exchanges, calls)

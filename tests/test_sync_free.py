@@ -5,8 +5,10 @@
 - Under layer-level ping-pong every nano-batch's checks (the consistency all-gather and the plan
   comparison, whose results the host reads) run before the first exchange starts.
 - Host-to-device copies of the engine and kernels go through pinned memory on CUDA.
-- The engine in a pretended world of 2 ranks (tests/fake_world.py, the harness of the GPU test
-  tests/test_gpu_sync_free.py) runs forward and backward in every schedule on the CPU.
+- The engine in a pretended world (tests/fake_world.py, the harness of the GPU test
+  tests/test_gpu_sync_free.py) runs forward and backward in every schedule on the CPU: 2 ranks, and for
+  the KV relay 4 ranks in 2 nodes of 2, where its two-stage chains run (counted by
+  ``EngineStats.exchanges``).
 """
 
 from __future__ import annotations
@@ -19,11 +21,11 @@ import types
 import numpy as np
 import pytest
 import torch
-from fake_world import micro_batch, model_for, pretend_world, train_step
+from fake_world import SCHEDULES, micro_batch, model_for, pretend_world, train_step
 from test_attention_hf import tiny_model
 
 import hf_distca
-from hf_distca import DistCAConfig, attention_inputs, enable_distca, kernels
+from hf_distca import DistCAConfig, attention_inputs, enable_distca, kernels, metrics
 from hf_distca.attention import distca_attention_forward
 from hf_distca.engine import ping_pong
 from hf_distca.engine.state import EngineState
@@ -99,27 +101,26 @@ def test_checks_of_every_nano_batch_run_before_the_first_exchange(monkeypatch):
     assert "all_gather" not in log[first_exchange:], log
 
 
-@pytest.mark.parametrize(
-    "fields",
-    [
-        {"ping_pong": False},
-        {"ping_pong": True},
-        {"layer_ping_pong": True},
-        {"ping_pong": False, "kv_relay": True, "ranks_per_node": 1},
-    ],
-    ids=["serial", "ping_pong", "layer_ping_pong", "relay"],
-)
-def test_pretended_world_runs_every_schedule(monkeypatch, fields):
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_pretended_world_runs_every_schedule(monkeypatch, schedule):
     """The GPU test's harness on the CPU: a step plans and checks (all-gathers), the same batch again
-    reuses both (only exchanges), and both run forward and backward to finite numbers."""
+    reuses both (only exchanges), and both run forward and backward to finite numbers. Every engine call
+    starts the exchanges of its schedule (fake_world.SCHEDULES): with the KV relay (4 ranks in 2 nodes of
+    2) its KV phases ran as two-stage chains, 7 exchanges a call where the direct route starts 4."""
+    fields, world, exchanges_per_call = SCHEDULES[schedule]
     model = model_for("cpu", **fields)
-    batch = micro_batch("cpu", layer_ping_pong=fields.get("layer_ping_pong", False))
-    with pretend_world(monkeypatch) as log:
+    batch = micro_batch("cpu", layer_ping_pong=fields.get("layer_ping_pong", False), world=world)
+    metrics.reset()
+    with pretend_world(monkeypatch, world=world) as log:
         assert torch.isfinite(train_step(model, batch))
         first = len(log)
         assert torch.isfinite(train_step(model, batch))
     assert "all_gather" in log[:first] and "all_to_all" in log[:first]
     assert set(log[first:]) == {"all_to_all"}  # the second step: no check, no plan comparison
+    stats = metrics.snapshot()
+    calls, exchanges = stats.calls, stats.exchanges
+    assert calls > 0 and exchanges == exchanges_per_call * calls, (exchanges, calls)
+    assert exchanges == log.count("all_to_all")
 
 
 # ------------------------------------------------------------------------------------------- copies
