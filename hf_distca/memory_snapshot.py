@@ -5,9 +5,11 @@ peak, grouped by the code that allocated it.
 recorder behind PyTorch's memory visualizer) for one step, takes its snapshot, and :func:`peak_breakdown`
 replays the recorded allocations and frees to find the moment of the largest allocated total and what
 was live then. Blocks allocated before the recording started (the weights, what earlier steps left) are
-one group, "before the recording": their total is what the snapshot's live blocks hold minus the net of the
-recorded events. The replayed peak is checked against ``torch.cuda.max_memory_allocated`` over the same
-window, so a breakdown that does not add up says so (``unaccounted_gib``).
+one group, "before the recording" (or their frames' groups, where the snapshot recorded their allocation):
+the total at the start is what the snapshot's live blocks hold minus the net of the recorded events, frees
+of those earlier blocks included, so one freed during the window counts until its free. The replayed peak
+is checked against ``torch.cuda.max_memory_allocated`` over the same window, so a breakdown that does not
+add up says so (``unaccounted_gib``: the allocator's rounding of the blocks, at least).
 
 Each block is grouped under the innermost frame of its Python stack that belongs to a library doing the
 work (hf_distca, Transformers' models, liger-kernel, torch's checkpoint and autograd functions), so the
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from dataclasses import dataclass
+from itertools import islice
 from typing import Any
 
 import torch
@@ -54,50 +58,111 @@ def _group(frames: list[dict]) -> str:
     )
 
 
+def _free_action(events: list[dict]) -> str:
+    """The event at which a block stops counting as allocated: ``free_requested``, where the allocator
+    lowers its allocated total (what ``max_memory_allocated`` follows; the block may still wait on other
+    streams), or ``free_completed`` where the history skipped the requests (``skip_actions``)."""
+    return "free_requested" if any(e["action"] == "free_requested" for e in events) else "free_completed"
+
+
+@dataclass
+class _Replay:
+    """The allocated total replayed over a prefix of a trace, relative to the start of the recording."""
+
+    live: dict[int, int]
+    """addr -> index of its ``alloc`` event, for each block allocated in the trace and live now."""
+    delta: int
+    """Bytes allocated now minus at the start: recorded allocs minus every counted free."""
+    freed_before: int
+    """Bytes of the blocks allocated before the recording and freed by now (part of ``delta``)."""
+    high: int
+    """The largest ``delta`` so far (0: the start itself)."""
+    high_at: int
+    """The index of the event that first reached ``high`` (-1: the start)."""
+
+
+def _replay(events: list[dict], stop: int, free_action: str) -> _Replay:
+    """Replay ``events[:stop]``: one pass, dictionary work per event (no copies), so long traces stay linear."""
+    live: dict[int, int] = {}
+    delta = freed_before = high = 0
+    high_at = -1
+    for i, event in enumerate(islice(events, stop)):
+        action = event["action"]
+        if action == "alloc":
+            live[event["addr"]] = i
+            delta += event["size"]
+            if delta > high:  # strict: the first moment of the peak
+                high, high_at = delta, i
+        elif action == free_action:
+            at = live.pop(event["addr"], None)
+            if at is None:
+                # never allocated in the trace: a block from before the recording, in the start total
+                # exactly once (its one free_action event), leaving it now
+                freed_before += event["size"]
+                delta -= event["size"]
+            else:
+                delta -= events[at]["size"]
+        # the other free action (free_completed after a counted free_requested), segment and oom events
+        # change nothing allocated
+    return _Replay(live, delta, freed_before, high, high_at)
+
+
 def peak_breakdown(snapshot: dict, device: int = 0, top: int = 40) -> dict[str, Any]:
     """The peak of the allocated total over ``snapshot``'s recorded events on ``device`` and the live blocks
-    then, by group (GiB, largest first, the first ``top``; the rest summed)."""
+    then, by group (GiB, largest first, the first ``top``; the rest summed).
+
+    The total at the start of the recording is what the snapshot's live blocks hold minus the net of the
+    events, so a block allocated before the recording counts from the start whether it is still live at the
+    end or freed in the trace (a free of an address the trace never allocated). Two passes: the first finds
+    the peak's event, the second replays up to it for the blocks live then. Sizes are the requested bytes
+    the trace records (``requested_size`` of the snapshot's blocks); ``max_memory_allocated`` counts the
+    allocator's rounded blocks, a little more.
+    """
     events = snapshot["device_traces"][device]
-    live_now = sum(
-        block["size"]
+    free_action = _free_action(events)
+    whole = _replay(events, len(events), free_action)
+    at_end = [
+        block
         for segment in snapshot["segments"]
         if segment.get("device", device) == device
         for block in segment["blocks"]
         if block["state"] == "active_allocated"
-    )
-    live: dict[int, tuple[int, str]] = {}
-    net = 0
-    for event in events:  # first pass: the net of the recorded events
-        action, addr, size = event["action"], event["addr"], event["size"]
-        if action == "alloc":
-            live[addr] = (size, "")
-            net += size
-        elif action in ("free_requested", "free_completed") and addr in live:
-            net -= live.pop(addr)[0]
-    before = live_now - net  # allocated before the recording and still live at its start
-    total, peak, peak_live = before, before, {}
-    live = {}
-    for event in events:
-        action, addr, size = event["action"], event["addr"], event["size"]
-        if action == "alloc":
-            live[addr] = (size, _group(event.get("frames", [])))
-            total += size
-            if total > peak:
-                peak, peak_live = total, dict(live)
-        elif action in ("free_requested", "free_completed") and addr in live:
-            total -= live.pop(addr)[0]
+    ]
+    # the replay ends at what the snapshot holds: start + whole.delta == the live blocks' bytes
+    start = sum(block.get("requested_size", block["size"]) for block in at_end) - whole.delta
+    peak = start + whole.high
+    at_peak = _replay(events, whole.high_at + 1, free_action)
     groups: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
-    for size, group in peak_live.values():
-        groups[group] += size / GIB
+    for i in at_peak.live.values():
+        event = events[i]
+        group = _group(event.get("frames", []))
+        groups[group] += event["size"] / GIB
         counts[group] += 1
+    # blocks from before the recording still live at the end were live at the peak too: those whose
+    # allocation the snapshot recorded (frames, with an address the trace did not allocate) go by their frames
+    before = start - at_peak.freed_before
+    for block in at_end:
+        if block.get("frames") and "address" in block and block["address"] not in whole.live:
+            size = block.get("requested_size", block["size"])
+            group = _group(block["frames"])
+            groups[group] += size / GIB
+            counts[group] += 1
+            before -= size
+    # invariant: before + the groups' bytes == peak (each live block at the peak counted once)
     ranked = sorted(groups.items(), key=lambda kv: -kv[1])
     out = [{"group": "before the recording", "gib": before / GIB, "blocks": None}]
     out += [{"group": g, "gib": gib, "blocks": counts[g]} for g, gib in ranked[:top]]
     rest = sum(gib for _, gib in ranked[top:])
     if rest:
         out.append({"group": f"{len(ranked) - top} more groups", "gib": rest, "blocks": None})
-    return {"peak_gib": peak / GIB, "events": len(events), "groups": out}
+    return {
+        "peak_gib": peak / GIB,
+        "events": len(events),
+        "peak_event": whole.high_at if whole.high_at >= 0 else None,
+        "start_gib": start / GIB,
+        "groups": out,
+    }
 
 
 class PeakRecorder:
