@@ -25,6 +25,7 @@ from hf_distca.config import DistCAConfig
 from hf_distca.data.loader import DistCABatches, DistCADataLoader, TokenDocuments
 from hf_distca.data.rebatch import LayoutFn, layout_balanced
 from hf_distca.engine import engine_state
+from hf_distca.offload_timing import weigh_over_ranks
 from hf_distca.offloading import (
     OffloadOptions,
     check_offload_applies,
@@ -86,7 +87,9 @@ class DistCACallback(TrainerCallback):
         offload: what activation checkpointing keeps, off the device (:class:`hf_distca.offloading.OffloadOptions`:
             layer inputs in host memory, kept attention outputs per layer on the device, in host memory or
             dropped; ``kept_attention="auto"`` is chosen before the first step from the least free memory over
-            the ranks). Needs activation checkpointing; the choice is in :attr:`memory_report`.
+            the ranks, and after the first step a layer in host memory drops its outputs where their copies
+            were measured to cost more than its attention, :mod:`hf_distca.offload_timing`). Needs
+            activation checkpointing; the choice is in :attr:`memory_report`.
         tiled_mlp: run each decoder layer's MLP over tiles of this many tokens (0: the model's hidden size;
             :func:`hf_distca.tiled_mlp.tile_mlp`), keeping only its input for backward. None: off.
         tiled_norms: run the decoder layers' norms and the final norm over tiles of this many tokens (0: the
@@ -133,6 +136,7 @@ class DistCACallback(TrainerCallback):
                 )
         self.offload, self.tiled_mlp, self.tiled_norms = offload, tiled_mlp, tiled_norms
         self._offload = None
+        self._offload_weighed = False  # kept_attention="auto" looked again after its first step
         self.batches: DistCABatches | None = None
         self._trainer = None
         self._group = None
@@ -317,9 +321,15 @@ class DistCACallback(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._records.step_begin()
+        if self._offload is not None and not self._offload_weighed:
+            # the first step is timed for kept_attention="auto"'s second look (offload_timing), every rank alike
+            self._offload_weighed = not self._offload.start_timing(args.device)
         return control
 
     def on_step_end(self, args, state, control, **kwargs):
+        if self._offload is not None and self._offload.timer is not None:
+            weigh_over_ranks(self._offload, args.device, self._group)  # collective, between steps
+            self._offload_weighed = True
         tokens = self.tokens_per_rank * max(args.world_size, 1) * args.gradient_accumulation_steps
         self._records.step_end(args, state.global_step, self.batches, tokens)
         return control

@@ -7,8 +7,9 @@ and log-sum-exp so that backward never runs core attention forward again. Per la
 - ``"host"``: kept in host memory (:mod:`hf_distca.engine.offload`), brought back a layer ahead;
 - ``"drop"``: not kept; that layer's checkpoint recomputes its attention as plain checkpointing does.
 
-``"auto"`` chooses at the first step by :func:`choose_kept_attention`'s rule from the free device and host
-memory. The choice is a list with one entry per decoder layer, the same on every rank (a rank that
+``"auto"`` chooses before the first step by :func:`choose_kept_attention`'s rule from the free device and host
+memory, and looks again after it: a layer in host memory drops its outputs where the first step measured
+their copies to cost more than its attention (:mod:`hf_distca.offload_timing`). The choice is a list with one entry per decoder layer, the same on every rank (a rank that
 dropped a layer's output runs that layer's attention again in backward, with its collectives).
 """
 

@@ -34,6 +34,7 @@ from hf_distca.checkpointing import checkpointing_enabled
 from hf_distca.engine.host_arena import HostArena
 from hf_distca.engine.offload import Offloader
 from hf_distca.engine.remat import KeptPlacement, placing_kept_attention
+from hf_distca.offload_timing import LayerTimer, weigh_host_against_drop
 
 __all__ = [
     "OFFLOAD_ATTR",
@@ -64,8 +65,9 @@ class OffloadOptions:
     (:meth:`ActivationOffload.resolve`), else from the first layer call's rows (:func:`choose_offloaded_inputs`)."""
     kept_attention: str | tuple[str, ...] = "gpu"
     """Where rematerialization-aware checkpointing keeps each layer's attention output and log-sum-exp:
-    "gpu", "host", "drop" (recomputed in backward), one per layer, or "auto" (chosen at the first step,
-    :func:`hf_distca.kept_attention.choose_kept_attention`)."""
+    "gpu", "host", "drop" (recomputed in backward), one per layer, or "auto" (chosen before the first step from
+    free memory, :func:`hf_distca.kept_attention.choose_kept_attention`; host layers weighed against dropping
+    after it, :mod:`hf_distca.offload_timing`)."""
     min_bytes: int = 1 << 20
     """Tensors smaller than this stay where they are."""
     chunk_bytes: int = 1 << 30
@@ -178,6 +180,10 @@ class ActivationOffload:
         # under autocast
         self.input_dtype = weight.dtype if weight is not None else next(model.parameters()).dtype
         self.input_layer_bytes = 0  # one layer's checkpointed input at the first step
+        self.kept_layer_bytes = 0  # one layer's kept attention output and log-sum-exp at the first step
+        self.timer: LayerTimer | None = (
+            None  # the step being timed for weigh(), between start_timing and weigh
+        )
         config = getattr(model, "config", None)
         self._heads = getattr(config, "num_attention_heads", None)
         self._hidden = getattr(config, "hidden_size", 0) or 0
@@ -220,6 +226,7 @@ class ActivationOffload:
                 self.choice["kept_attention_gradients_reserved_gib"] = gradients / 2**30
                 self.choice["kept_attention_working_set_reserved_gib"] = working_set / 2**30
             kept_bytes = kept.kept_attention_bytes(tokens, self._heads or 0, self._head_dim, dtype)
+            self.kept_layer_bytes = kept_bytes
             on_host = sum(self.inputs_policy) * self.input_layer_bytes
             self.policy = kept.choose_kept_attention(
                 layers, kept_bytes, free_device=free_device, free_host=host_share,
@@ -231,6 +238,42 @@ class ActivationOffload:
                 kept_attention_free_host_gib=host_share / 2**30,
                 kept_attention_layer_gib=kept_bytes / 2**30,
             )
+        return self.policy
+
+    def start_timing(self, device: torch.device) -> bool:
+        """Time the next step's decoder layer and core attention forwards (CUDA events) for :meth:`weigh`,
+        where there is something to weigh: ``kept_attention="auto"`` that put layers' outputs in host memory,
+        on a CUDA device. Returns whether it times."""
+        auto = self.options.kept_attention == "auto"
+        if not (auto and self.policy is not None and "host" in self.policy and device.type == "cuda"):
+            return False
+        self.timer = LayerTimer(len(self.layers))
+        return True
+
+    def weigh(
+        self,
+        attention_s: list[float | None],
+        layer_s: list[float | None],
+        seconds_per_byte: tuple[float, float],
+    ) -> list[str]:
+        """``kept_attention="auto"``'s second look from measured figures (every rank the same ones:
+        :func:`hf_distca.offload_timing.weigh_over_ranks`): a layer whose outputs are in host memory drops
+        them where their copies (``seconds_per_byte`` out and back) would cost more than recomputing its
+        attention (:func:`hf_distca.offload_timing.weigh_host_against_drop`). Returns the new policy."""
+        out_rate, back_rate = seconds_per_byte
+        kept_copy = (self.kept_layer_bytes * out_rate, self.kept_layer_bytes * back_rate)
+        inputs = self.input_layer_bytes
+        other = [(inputs * out_rate, inputs * back_rate) if on else (0.0, 0.0) for on in self.inputs_policy]
+        before = list(self.policy)
+        self.policy = weigh_host_against_drop(before, attention_s, layer_s, kept_copy, other)
+        measured = [a for a in attention_s if a is not None]
+        layers = [t for t in layer_s if t is not None]
+        self.choice.update(
+            kept_attention_weighed_to_drop=sum(a != b for a, b in zip(before, self.policy, strict=True)),
+            kept_attention_attention_s=sum(measured) / len(measured) if measured else None,
+            kept_attention_layer_s=sum(layers) / len(layers) if layers else None,
+            kept_attention_copy_s=list(kept_copy),
+        )
         return self.policy
 
     def gradients_to_come(self) -> int:
@@ -306,10 +349,14 @@ class ActivationOffload:
             group = self.offloader.begin_group()
             pack = self.offloader.packer(group)
             choice = self.policy[index]
+            timer = self.timer
+            if timer is not None:
+                timer.start_layer(index, threading.get_ident())
             placement = KeptPlacement(
                 drop=choice == "drop",
                 pack=pack if choice == "host" else None,
                 unpack=self.offloader.unpack if choice == "host" else None,
+                timings=None if timer is None else timer.attention_events[index],
             )
             contexts = [placing_kept_attention(placement)]
             if self.inputs_policy[index]:
@@ -328,6 +375,8 @@ class ActivationOffload:
             group, choice, placement, contexts = call
             for context in reversed(contexts):
                 context.__exit__(None, None, None)
+            if self.timer is not None:
+                self.timer.end_layer(index, threading.get_ident())
             hidden = output[0] if isinstance(output, (tuple, list)) else output
             if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
                 # this layer's backward begins when its output's gradient arrives: bring back the nearest

@@ -57,7 +57,7 @@ from hf_distca.engine.consistency import CallerInputError
 from hf_distca.engine.layer_op import interleaved_core_attention
 from hf_distca.engine.ping_pong import PartSplit, ping_pong_parts, whole
 from hf_distca.engine.prepare import PreparedAttention, prepare
-from hf_distca.engine.remat import SavedAttention, keep_for_recompute, take_saved_attention
+from hf_distca.engine.remat import SavedAttention, keep_for_recompute, take_saved_attention, timing_attention
 from hf_distca.engine.stages import Kernel, stage_range
 from hf_distca.engine.state import EngineState
 from hf_distca.kernels import ForwardTensors, VarlenOffsets
@@ -215,7 +215,8 @@ class _AttentionOp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, runner, saved: SavedAttention | None, sinks=None):  # type: ignore[override]
         if saved is None:
-            out, lse = runner.forward(q, k, v, sinks)
+            with timing_attention(q):
+                out, lse = runner.forward(q, k, v, sinks)
             keep_for_recompute(out, lse, runner)
         else:
             out, lse, runner = saved.out.view_as(saved.out), saved.lse, saved.runner

@@ -49,6 +49,7 @@ __all__ = [
     "placing_kept_attention",
     "remat_context_fn",
     "take_saved_attention",
+    "timing_attention",
     "traced",
 ]
 
@@ -83,12 +84,15 @@ class _Frame:
 class KeptPlacement:
     """Where the rematerialization frame of the checkpoint called inside one decoder layer call keeps its
     attention results: through ``pack``/``unpack`` (None: as they are, on the device), or nowhere
-    (``drop``). ``consulted``: a frame was asked for (the layer's checkpoint is rematerialization-aware)."""
+    (``drop``). ``consulted``: a frame was asked for (the layer's checkpoint is rematerialization-aware).
+    ``timings``: where :func:`timing_attention` appends (start, end) CUDA events of the layer call's core
+    attention forwards (None: not timed)."""
 
     drop: bool = False
     pack: Callable[[Any], Any] | None = None
     unpack: Callable[[Any], Any] | None = None
     consulted: bool = False
+    timings: list | None = None
 
 
 def _placements() -> list[KeptPlacement]:
@@ -106,6 +110,22 @@ def placing_kept_attention(placement: KeptPlacement) -> Iterator[KeptPlacement]:
         yield placement
     finally:
         _placements().pop()
+
+
+@contextlib.contextmanager
+def timing_attention(q: torch.Tensor) -> Iterator[None]:
+    """Around a core attention forward that runs its kernels (not a replay): CUDA events into the active
+    placement's ``timings`` when it has them and ``q`` is on a CUDA device; else nothing."""
+    placement = _placements()[-1] if _placements() else None
+    timings = None if placement is None else placement.timings
+    if timings is None or not q.is_cuda:
+        yield
+        return
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    yield
+    end.record()
+    timings.append((start, end))
 
 
 _FORWARD, _RECOMPUTE = "forward", "recompute"
