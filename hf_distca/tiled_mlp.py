@@ -11,22 +11,31 @@ over tiles of ``tile_tokens`` tokens inside one autograd function that saves onl
 runs each tile again under autograd and takes the gradients of the input and of the module's parameters
 tile by tile (``torch.autograd.grad``), summed (in float32 for 16-bit parameters) into one gradient per
 parameter that the function returns (so each parameter receives one gradient per backward, as DDP and
-gradient accumulation expect). Exact row by row; the parameter gradients up to their summation order.
+gradient accumulation expect). The result equals the untiled computation up to floating-point
+reassociation: the parameter gradients are sums of per-tile gradients (accumulated in float32), and a
+kernel (on CUDA) may reduce a tile in another order than the whole sequence, so it is not guaranteed
+bit-identical.
 
-The wrapper registers the original module's children, parameters and buffers as its own (the original is
-kept outside the module tree), so ``state_dict`` keys and parameter objects are unchanged: checkpoints load
-into the tiled and the plain model alike, and an optimizer built before the swap keeps working.
+The wrapper shares the original module's dictionaries of children, parameters and buffers (the original
+is kept outside the module tree): one set of parameters, so ``state_dict`` keys and parameter objects are
+unchanged (checkpoints load into the tiled and the plain model alike, an optimizer built before the swap
+keeps working), and whatever replaces a parameter afterwards through the wrapper (FSDP2's ``fully_shard``,
+``load_state_dict(assign=True)``, ``setattr``) replaces it in the module that computes.
 
 Inside an activation checkpoint the input is saved by a separate pass-through function just before the
 tiled computation, which saves nothing: when nothing after the MLP in the layer saves a tensor (Llama's
 residual add saves none), the checkpoint's recompute stops early (torch's non-reentrant checkpoint stops
 once every saved tensor is refilled, its default) before the MLP, so backward runs the MLP once per tile,
 not twice. Where something after it does save (e.g. a post-MLP norm), the recompute runs through the
-tiled forward as usual: which one happens is torch's own count of saved tensors, never a guess.
+tiled forward as usual: which one happens is torch's own count of saved tensors, never a guess. An
+input that does not require grad (frozen embeddings before the first norm) has no anchor (a function none of
+whose inputs requires grad gets no graph node): the tiled function saves it itself (inside a checkpoint the
+recompute then runs through the tiled forward), and its backward takes the parameters' gradients only.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -44,7 +53,8 @@ __all__ = [
 
 
 class _Anchor(torch.autograd.Function):
-    """Passes the MLP input through and saves it: the one tensor the tiled MLP keeps for backward."""
+    """Passes the tiled module's input (one that requires grad) through and saves it: the one tensor the
+    tiled module keeps for backward."""
 
     @staticmethod
     def forward(ctx, x):  # type: ignore[override]
@@ -86,11 +96,14 @@ def _accumulator(grad: torch.Tensor) -> torch.Tensor:
 
 
 class _TiledFunction(torch.autograd.Function):
-    """y = module(x) over token tiles; saves nothing itself (the input is the anchor's)."""
+    """y = module(x) over token tiles; saves nothing itself when ``anchor`` (the anchor's graph node) holds
+    the input, else saves the input."""
 
     @staticmethod
     def forward(ctx, x, anchor, mlp, tile_rows, *params):  # type: ignore[override]
         ctx.anchor, ctx.mlp, ctx.tile_rows, ctx.params = anchor, mlp, tile_rows, params
+        if anchor is None:
+            ctx.save_for_backward(x)
         where = x.device.type
         # backward reruns the tiles under the autocast forward ran in (the engine runs backward outside it)
         ctx.autocast = dict(
@@ -105,45 +118,52 @@ class _TiledFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        (x,) = ctx.anchor.saved_tensors  # inside a checkpoint: this refills it (the recompute)
+        # inside a checkpoint: this refills it (the recompute)
+        (x,) = ctx.saved_tensors if ctx.anchor is None else ctx.anchor.saved_tensors
         flat = x.reshape(-1, x.shape[-1])  # (N, H)
         grad_flat = grad_out.reshape(-1, grad_out.shape[-1])  # (N, H_out)
         trained = [p for p in ctx.params if p.requires_grad]
-        dx = torch.empty_like(flat)  # (N, H)
+        wants_dx = ctx.needs_input_grad[0]
+        dx = torch.empty_like(flat) if wants_dx else None  # (N, H)
         sums: list[torch.Tensor | None] = [None] * len(trained)
         with torch.enable_grad(), torch.autocast(**ctx.autocast):
             for start, end in _tiles(flat.shape[0], ctx.tile_rows):
-                tile = flat[start:end].detach().requires_grad_(True)  # (rows, H)
+                tile = flat[start:end].detach().requires_grad_(wants_dx)  # (rows, H)
                 # a non-leaf like the forward's tile: autocast casts it at each use (it caches leaves' casts)
                 part = ctx.mlp(tile.view_as(tile))  # (rows, H_out)
-                grads = torch.autograd.grad(part, [tile, *trained], grad_flat[start:end], allow_unused=True)
-                dx[start:end] = grads[0]
-                for i, g in enumerate(grads[1:]):
+                inputs = [tile, *trained] if wants_dx else trained
+                grads = torch.autograd.grad(part, inputs, grad_flat[start:end], allow_unused=True)
+                if wants_dx:
+                    dx[start:end], grads = grads[0], grads[1:]
+                for i, g in enumerate(grads):
                     if g is not None:
                         sums[i] = _accumulator(g) if sums[i] is None else sums[i].add_(g)
         sums = [None if g is None else g.to(p.dtype) for g, p in zip(sums, trained)]
         by_param = dict(zip(map(id, trained), sums))
         param_grads = [by_param.get(id(p)) for p in ctx.params]
-        return (dx.view_as(x), None, None, None, *param_grads)
+        return (dx.view_as(x) if wants_dx else None, None, None, None, *param_grads)
 
 
 class TiledModule(torch.nn.Module):
     """``original`` (a position-wise module: each row of its output depends on the same row of its input
-    only) run over tiles of ``tile_tokens`` tokens (see the module docstring); same parameters, same
-    ``state_dict`` keys."""
+    only) run over tiles of ``tile_tokens`` tokens (see the module docstring); the same parameter, buffer
+    and child dictionaries as ``original``, so the same parameters and ``state_dict`` keys."""
 
     def __init__(self, original: torch.nn.Module, tile_tokens: int) -> None:
         super().__init__()
         if not isinstance(tile_tokens, int) or tile_tokens < 1:
             raise ValueError(f"{type(self).__name__} tile_tokens must be a positive int, got {tile_tokens!r}")
-        object.__setattr__(self, "original", original)  # outside the module tree: keys stay the MLP's
-        for name, child in original.named_children():
-            self.add_module(name, child)
-        for name, param in original.named_parameters(recurse=False):
-            self.register_parameter(name, param)
-        for name, buffer in original.named_buffers(recurse=False):
-            self.register_buffer(name, buffer)
+        object.__setattr__(self, "original", original)  # outside the module tree: keys stay the module's
+        # the same dict objects, never copies: a parameter set on either module is the other's
+        for shared in ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"):
+            object.__setattr__(self, shared, getattr(original, shared))
         self.tile_tokens = tile_tokens
+
+    def train(self, mode: bool = True) -> TiledModule:
+        """Set the mode of the wrapper, its children and ``original`` (outside the module tree)."""
+        super().train(mode)
+        self.original.training = mode  # the module that computes (its children are shared)
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():
@@ -151,6 +171,8 @@ class TiledModule(torch.nn.Module):
             out = _run_tiles(self.original, flat, _tiles(flat.shape[0], self.tile_tokens))
             return out.view(*x.shape[:-1], out.shape[-1])
         params = tuple(self.original.parameters())
+        if not x.requires_grad:  # no anchor node (see the module docstring): the tiled function saves x
+            return _TiledFunction.apply(x, None, self.original, self.tile_tokens, *params)
         anchored = _Anchor.apply(x)
         return _TiledFunction.apply(anchored, anchored.grad_fn, self.original, self.tile_tokens, *params)
 
@@ -218,12 +240,25 @@ def untile_mlp(model: torch.nn.Module) -> int:
 
 def _is_norm(module: torch.nn.Module) -> bool:
     """A norm over the last dimension: a ``torch.nn.LayerNorm`` of one normalized dimension, or a module
-    whose class is named ``...RMSNorm`` / ``...LayerNorm`` (Transformers' norms) with a 1-D weight or none."""
+    with a class named ``...RMSNorm`` / ``...LayerNorm`` along its MRO (Transformers' norms, and Liger's
+    that replace them, e.g. ``LigerRMSNormForGemma(LigerRMSNorm)``) with a 1-D weight or none, whose
+    forward takes the hidden states alone (not a fused residual add or a modulation)."""
     if isinstance(module, torch.nn.LayerNorm):
         return len(module.normalized_shape) == 1
-    name = type(module).__name__
+    if not any(cls.__name__.endswith(("RMSNorm", "LayerNorm")) for cls in type(module).__mro__):
+        return False
     weight = getattr(module, "weight", None)
-    return name.endswith(("RMSNorm", "LayerNorm")) and (weight is None or weight.dim() == 1)
+    return (weight is None or weight.dim() == 1) and _required_positional_args(module.forward) == 1
+
+
+def _required_positional_args(forward: Any) -> int:
+    """How many positional arguments without a default ``forward`` (a bound method) requires."""
+    try:
+        parameters = inspect.signature(forward).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: assume the hidden states alone
+        return 1
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(p.kind in positional and p.default is inspect.Parameter.empty for p in parameters)
 
 
 def _norm_slots(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:

@@ -1,7 +1,8 @@
 """Memory options at their edges: the tiled MLP under autocast, the offloaded inputs' split sized for the
 whole micro-batch, the host arena pinned where the activations are, a decoder layer called with keyword
-hidden states, and the owners' sizes of sharded parameters (FSDP2 DTensors on 2 gloo ranks, ZeRO-3's
-partitioned parameters)."""
+hidden states, the owners' sizes of sharded parameters (FSDP2 DTensors on 2 gloo ranks, ZeRO-3's
+partitioned parameters), and the tiled norms and MLPs with parameters replaced after tiling (setattr,
+load_state_dict(assign=True), FSDP2), on an input without grad, and over Liger's norms."""
 
 from __future__ import annotations
 
@@ -11,14 +12,15 @@ import types
 import pytest
 import torch
 from distributed import run_distributed
-from test_engine_remat import LAYERS, docs_of, grads_of, tiny_llama, with_mode
+from extras import require
+from test_engine_remat import LAYERS, assert_grads_close, docs_of, grads_of, tiny_llama, with_mode
 from tolerances import TOL
 
 import hf_distca
 from hf_distca import kept_attention
 from hf_distca.memory_owners import memory_by_owner
 from hf_distca.offloading import OffloadOptions, offload_activations, pins_host_memory
-from hf_distca.tiled_mlp import TiledMLP, tiled_mlp_report
+from hf_distca.tiled_mlp import TiledMLP, TiledNorm, tiled_mlp_report, untile_mlp, untile_norms
 
 HIDDEN = 64
 
@@ -281,6 +283,137 @@ def test_tiled_parameter_gradients_are_summed_in_float32():
         assert torch.equal(p.grad, fp32[n].to(torch.bfloat16)), n
         differs |= not torch.equal(p.grad, bf16[n])
     assert differs, "summing in bf16 gave the same bits: the check cannot tell the two apart"
+
+
+def _tiled(model, tile: int = 16):
+    """``model`` with every norm and MLP tiled."""
+    assert hf_distca.tile_norms(model, tile) == 2 * LAYERS + 1 and hf_distca.tile_mlp(model, tile) == LAYERS
+    return model
+
+
+def _step(model, ids: torch.Tensor) -> torch.Tensor:
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    return loss.detach()
+
+
+def _assert_step_equal(model, want, ids: torch.Tensor, label: str) -> None:
+    """The loss and every gradient of a step of ``model`` equal those of ``want`` (fp32: the loss to
+    TOL["logits"], gradients to TOL["grads"])."""
+    rtol, atol = TOL["logits"]
+    torch.testing.assert_close(_step(model, ids), _step(want, ids), rtol=rtol, atol=atol, msg=label)
+    assert_grads_close(grads_of(model), grads_of(want), label)
+
+
+@pytest.mark.parametrize("mode", ["none", "remat"])
+def test_tiled_modules_compute_with_the_parameters_set_after_tiling(mode):
+    """Parameters and children set on the tiled model after the swap (setattr on a TiledNorm and a
+    TiledMLP, ``load_state_dict(assign=True)``) are the ones its tiles compute with: the loss and every
+    gradient equal the untiled model's with the same new weights, the gradients land on the parameters the
+    model now holds (the replaced ones get none), and untiling gives back a module computing with them."""
+    ids = torch.tensor([docs_of([70], seed=9)[0]])
+    model, want = _tiled(with_mode(tiny_llama(), mode)), with_mode(tiny_llama(), "none")
+    g = torch.Generator().manual_seed(4)
+    replaced = []
+    for m in (model, want):
+        layer = m.model.layers[0]
+        replaced.append(layer.input_layernorm.weight)
+        layer.input_layernorm.weight = torch.nn.Parameter(1 + torch.rand(HIDDEN, generator=g))
+        m.model.norm.weight = torch.nn.Parameter(1 + torch.rand(HIDDEN, generator=g))
+        up = torch.nn.Linear(HIDDEN, layer.mlp.up_proj.out_features, bias=False)
+        torch.nn.init.normal_(up.weight, std=0.2, generator=g)
+        layer.mlp.up_proj = up
+    for a, b in zip(model.parameters(), want.parameters(), strict=True):  # the same new values
+        with torch.no_grad():
+            b.copy_(a)
+    layer = model.model.layers[0]
+    assert isinstance(layer.input_layernorm, TiledNorm) and isinstance(layer.mlp, TiledMLP)
+    assert layer.input_layernorm.original.weight is layer.input_layernorm.weight
+    assert layer.mlp.original.up_proj is layer.mlp.up_proj
+    _assert_step_equal(model, want, ids, f"{mode} setattr")
+    assert replaced[0].grad is None and layer.input_layernorm.weight.grad is not None
+
+    source = tiny_llama(seed=6)
+    state = {k: v.clone() for k, v in source.state_dict().items()}
+    model.zero_grad(set_to_none=True)
+    before = dict(model.named_parameters())
+    model.load_state_dict(state, assign=True)
+    assert model.state_dict().keys() == source.state_dict().keys()
+    _assert_step_equal(model, with_mode(source, "none"), ids, f"{mode} load_state_dict(assign=True)")
+    for name, p in model.named_parameters():
+        assert p.data_ptr() == state[name].data_ptr() and p.grad is not None, name  # the assigned tensor
+        assert p is not before[name] and before[name].grad is None, name  # the replaced one got nothing
+    assert model.model.norm.original.weight.data_ptr() == state["model.norm.weight"].data_ptr()
+
+    assert untile_norms(model) == 2 * LAYERS + 1 and untile_mlp(model) == LAYERS
+    _assert_step_equal(model, with_mode(source, "none"), ids, f"{mode} untiled")
+
+
+@pytest.mark.parametrize("mode", ["none", "remat"])
+def test_tiled_modules_train_their_weights_on_an_input_without_grad(mode):
+    """Frozen input embeddings: layer 0's first norm gets an input that does not require grad. Every
+    trainable gradient of the tiled model equals the untiled model's (fp32, TOL["grads"]) and the embeddings
+    get none; a TiledMLP on an input without grad trains its weights as the untiled MLP does."""
+    ids = torch.tensor([docs_of([70], seed=10)[0]])
+    models = {}
+    for tiled in (False, True):
+        model = with_mode(tiny_llama(), mode if tiled else "none")
+        model.get_input_embeddings().requires_grad_(False)
+        models[tiled] = _tiled(model) if tiled else model
+    _assert_step_equal(models[True], models[False], ids, f"{mode} frozen embeddings")
+    assert models[True].get_input_embeddings().weight.grad is None
+
+    mlp = tiny_llama().model.layers[0].mlp
+    x = torch.randn(2, 40, HIDDEN, generator=torch.Generator().manual_seed(5))
+    grad = torch.randn(2, 40, HIDDEN, generator=torch.Generator().manual_seed(6))
+    tiled = TiledMLP(copy.deepcopy(mlp), 16)
+    tiled(x).backward(grad)
+    mlp(x).backward(grad)
+    rtol, atol = TOL["grads"]
+    for (name, got), want in zip(tiled.named_parameters(), mlp.parameters(), strict=True):
+        torch.testing.assert_close(
+            got.grad, want.grad, rtol=rtol, atol=atol * float(want.grad.abs().max()), msg=name
+        )
+
+
+def _fsdp2_tiled_case(rank: int, world: int) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    ids = torch.tensor([docs_of([70], seed=9)[0]])
+    model = _tiled(tiny_llama())
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    _step(model, ids)
+    return {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_fsdp2_trains_tiled_norms_and_mlps():
+    """fully_shard swaps the parameters of the tiled modules for DTensors after tiling: the tiles compute
+    with them, so every parameter (the norms' included) gets the untiled model's gradient (fp32,
+    TOL["grads"]) on both gloo ranks."""
+    ids = torch.tensor([docs_of([70], seed=9)[0]])
+    want = tiny_llama()
+    _step(want, ids)
+    for rank, grads in enumerate(run_distributed(_fsdp2_tiled_case, 2, timeout=300)):
+        assert_grads_close(grads, grads_of(want), f"FSDP2 rank {rank}")
+
+
+def test_tile_norms_recognises_liger_norms_and_leaves_fused_ones():
+    """Liger's norms that replace Transformers' (``LigerRMSNormForGemma`` subclasses ``LigerRMSNorm``) are
+    tiled; a fused residual-add norm (two inputs) is not position-wise over one input and is left alone."""
+    rms_norm = require("liger_kernel.transformers.rms_norm", "liger")
+    fused = require("liger_kernel.transformers.fused_add_rms_norm", "liger")
+    model = tiny_llama()
+    for layer in model.model.layers:
+        layer.input_layernorm = rms_norm.LigerRMSNormForGemma(HIDDEN)
+        layer.post_attention_layernorm = fused.LigerFusedAddRMSNorm(HIDDEN)
+    model.model.norm = rms_norm.LigerRMSNorm(HIDDEN)
+    assert hf_distca.tile_norms(model, 16) == LAYERS + 1
+    assert all(isinstance(layer.input_layernorm, TiledNorm) for layer in model.model.layers)
+    assert not any(isinstance(layer.post_attention_layernorm, TiledNorm) for layer in model.model.layers)
+    assert isinstance(model.model.norm, TiledNorm)
 
 
 def test_auto_kept_attention_reserves_the_gradients_backward_will_allocate():
