@@ -17,6 +17,7 @@ from test_engine_remat import assert_grads_close, grads_of, with_mode
 from tolerances import TOL
 from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, LlamaConfig
 
+from hf_distca.offload_timing import weigh_over_ranks
 from hf_distca.offloading import OFFLOAD_ATTR, OffloadOptions, offload_activations
 from hf_distca.tiled_mlp import tile_mlp
 
@@ -128,3 +129,27 @@ def test_offload_frees_the_device_on_a_side_stream(reference):
     inputs = LAYERS * sum(LENGTHS) * HIDDEN * 4  # one float32 (T, hidden) input per checkpointed layer
     saved = allocated["remat"] - allocated["offload"]
     assert saved >= 0.9 * inputs, (allocated, inputs)
+
+
+def test_auto_weighs_host_against_drop_after_the_first_step(reference):
+    """kept_attention="auto"'s second look on a real device: the first step times every layer's forward and
+    core attention and the copies, the figures land in the report, and the steps before and after the
+    weighing (whatever it chose) equal the run without checkpointing."""
+    base, batch, want = reference
+    model = with_mode(base, "remat")
+    offload = offload_activations(
+        model, kept_attention="auto", inputs=True, min_bytes=0, working_set_layers=0
+    )
+    tokens = batch["input_ids"].numel()
+    assert offload.resolve(tokens, torch.float32, free_device=0, free_host=1 << 40) == ["host"] * LAYERS
+    device = torch.device("cuda")
+    assert offload.start_timing(device)
+    check_equal(step(model, batch), want, "timed first step")
+    policy = weigh_over_ranks(offload, device)
+    report = offload.report()
+    assert 0 < report["kept_attention_attention_s"] < report["kept_attention_layer_s"], report
+    assert all(s > 0 for s in report["kept_attention_copy_s"]), report
+    assert report["kept_attention"] == policy and set(policy) <= {"host", "drop"}, report
+    assert offload.timer is None and not offload.start_timing(torch.device("cpu"))
+    model.zero_grad(set_to_none=True)
+    check_equal(step(model, batch), want, f"after weighing: {policy}")
