@@ -272,14 +272,17 @@ def schedule_case(rank: int, world: int, names: list[str], broken: bool = False,
 
 # ------------------------------------------------------------------ under PyTorch's CUDA sanitizer
 def sanitized_schedule_case(rank: int, world: int, names: list[str], broken: bool = False) -> dict:
-    """:func:`schedule_case` in a process whose torch was imported with :data:`SANITIZER_ENV` set
-    (CSAN: every kernel launch's reads and writes checked against the streams' events). The races it
+    """:func:`schedule_case` under PyTorch's CUDA sanitizer (CSAN: every kernel launch's reads and writes
+    checked against the streams' events), turned on in this rank before it uses CUDA (a forkserver that
+    imported torch with :data:`SANITIZER_ENV` set would have initialised CUDA before the fork). The races it
     finds are recorded instead of raised (a rank that raised mid-step would leave the others in a gloo
     exchange); ``launches``: the kernel launches it checked (0: it was not on in this process). CSAN
     sees the emulated exchange's private stream (its poison, late copies and events), not gloo's host
     side."""
     from torch.cuda import _sanitizer as csan
 
+    if not csan.cuda_sanitizer.enabled:  # on in this rank before its first CUDA call
+        csan.enable_cuda_sanitizer()
     handler = csan.cuda_sanitizer.dispatch.event_handler
     launch = handler._handle_kernel_launch
     races: list[str] = []

@@ -37,6 +37,7 @@ With ``HF_DISTCA_GPU_RESULTS=<file>`` each test appends what it found (tests/gpu
 from __future__ import annotations
 
 import functools
+import time
 
 import pytest
 import torch
@@ -57,8 +58,8 @@ pytestmark = [
 N = 4 << 20
 """Elements (float32, 16 MiB) of every buffer: a size the caching allocator gives a segment of its own and
 hands out best fit, so a freed buffer of this size is the next one of this size on its stream."""
-HOLD_CYCLES = 500_000_000
-"""How long NCCL's stream is held back (GPU clock cycles: about 0.25 s on an H200)."""
+HOLD_CYCLES = 4_000_000_000
+"""How long NCCL's stream is held back (GPU clock cycles: about 2 s on an H100 or H200)."""
 NAN = poison_value(torch.float32)
 
 
@@ -165,10 +166,12 @@ def test_wait_orders_the_current_stream_and_the_stash_holds_the_send(group):
     (NaN), or if the send buffer were released before NCCL read it (the churn's NaN)."""
     sent = source()
     poison = poisoned_blocks(2)  # one for the temporary send buffer, one for the received buffer
+    issued = time.perf_counter()
     hold_back_nccl(group)
     exchange = all_to_all_v(sent + 0, [N], [N], group, async_op=True)
     assert exchange.recv.data_ptr() in poison, "the received buffer is not a poisoned block"
     early = exchange.recv.clone()  # the negative control: no wait()
+    host_s = time.perf_counter() - issued  # the hold must outlast this for the control to bite
     churn()
     received = exchange.wait()
     got = received.clone()
@@ -179,7 +182,10 @@ def test_wait_orders_the_current_stream_and_the_stash_holds_the_send(group):
     held = bool(torch.isnan(early).all())
     record(f"{__name__}::wait_and_stash", equal=not failure, read_without_wait_was_poison=held)
     assert not failure, failure
-    assert held, "the read without wait() saw data: NCCL's stream was not held back, the test cannot bite"
+    assert held, (
+        f"the read without wait() saw data ({host_s:.3f} s on the host from the hold to the read): NCCL's "
+        "stream was not held back, the test cannot bite"
+    )
 
 
 def relay(group, side) -> tuple[torch.Tensor, torch.Tensor]:

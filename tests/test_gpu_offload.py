@@ -122,7 +122,9 @@ def test_offload_frees_the_device_on_a_side_stream(reference):
         if offload is not None:
             streams = offload.offloader.side_streams
             assert len(streams) == 1 and streams[0] != torch.cuda.current_stream(), streams
-            assert offload.offloader.arena._chunks[0].buffer.is_pinned()  # page-locked: asynchronous copies
+            assert offload.offloader.arena._chunks[
+                0
+            ].pinned  # page-locked (cudaHostRegister): asynchronous copies
         allocated[name] = torch.cuda.memory_allocated() - before
         loss.backward()
         del loss, model
