@@ -106,15 +106,17 @@ VARIANTS = ["cudnn:split", "cudnn:bottom_right", "torch_varlen", "flash_attn"]
 def _select(variant: str) -> dict:
     """attention_forward/attention_backward's keyword arguments that run ``variant``."""
     backend, _, strategy = variant.partition(":")
+    strategy, _, rows = strategy.partition(":")
     if backend not in _usable():
         pytest.skip(f"backend {backend} is not available here")
     if strategy:
-        return {"backend": backend, "cudnn_options": cudnn_backend.CudnnOptions(suffix_strategy=strategy)}
+        options = cudnn_backend.CudnnOptions(suffix_strategy=strategy, backward_rows=int(rows or 65536))
+        return {"backend": backend, "cudnn_options": options}
     return {"backend": backend}
 
 
 @pytest.mark.parametrize("case", sorted(SHAPES))
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", [*VARIANTS, "cudnn:split:1000"])  # backward launches of <= 1000 rows
 def test_cuda_backend_forward_backward_match_reference(variant, case):
     run = _select(variant)
     q_lens, k_lens = SHAPES[case]

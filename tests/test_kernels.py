@@ -597,12 +597,19 @@ CUDNN_CASES = {
 }
 
 
+@pytest.mark.parametrize("backward_rows", [65536, 3], ids=["one_launch", "runs_of_3_rows"])
 @pytest.mark.parametrize("strategy", cudnn_calls.SUFFIX_STRATEGIES)
 @pytest.mark.parametrize("case", sorted(CUDNN_CASES))
-def test_cudnn_host_logic_with_emulated_launches(case, strategy, monkeypatch):
+def test_cudnn_host_logic_with_emulated_launches(case, strategy, backward_rows, monkeypatch):
+    launches = []
+
+    def counted(call, *args, **kwargs):
+        launches.append(call.num_seqs)
+        _emulated_backward(call, *args, **kwargs)
+
     monkeypatch.setattr(cudnn_backend, "launch_forward", _emulated_forward)
-    monkeypatch.setattr(cudnn_backend, "launch_backward", _emulated_backward)
-    options = cudnn_backend.CudnnOptions(suffix_strategy=strategy)
+    monkeypatch.setattr(cudnn_backend, "launch_backward", counted)
+    options = cudnn_backend.CudnnOptions(suffix_strategy=strategy, backward_rows=backward_rows)
     q_lens, k_lens, window = CUDNN_CASES[case]
     q, k, v, dout = _inputs(q_lens, k_lens, 8, 2, 16, torch.float32, seed=13)
     seqs = check_inputs(q, k, v, VarlenOffsets(_cu(q_lens), _cu(k_lens), max(q_lens), max(k_lens)), window)
@@ -615,6 +622,33 @@ def test_cudnn_host_logic_with_emulated_launches(case, strategy, monkeypatch):
     want = naive_grads(q, k, v, dout, q_lens, k_lens, SCALE, window)
     for name, got, ref in zip(("dq", "dk", "dv"), grads, want):
         torch.testing.assert_close(got.double(), ref, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+    runs = [
+        r for c in cudnn_calls.plan_calls(seqs, strategy) for r in cudnn_calls.split_call(c, backward_rows)
+    ]
+    assert launches == [r.num_seqs for r in runs]
+    assert all(sum(r.q_lens) <= backward_rows or r.num_seqs == 1 for r in runs)
+
+
+def test_split_call_cuts_whole_sequences_at_the_row_bound():
+    call = cudnn_calls.KernelCall(
+        cudnn_calls.TOP_LEFT, (0, 4, 6, 9), (0, 13, 15, 18), (4, 2, 3, 1), (4, 2, 3, 5), (0, 4, 6, 9), False
+    )
+    runs = cudnn_calls.split_call(call, 5)
+    # 4 rows | 2 + 3 rows | 1 row over 5 keys (keys bound the run too)
+    assert [(r.q_rows, r.k_rows, r.q_lens, r.k_lens, r.out_rows) for r in runs] == [
+        ((0,), (0,), (4,), (4,), (0,)),
+        ((4, 6), (13, 15), (2, 3), (2, 3), (4, 6)),
+        ((9,), (18,), (1,), (5,), (9,)),
+    ]
+    assert cudnn_calls.split_call(call, 0) == (call,) and cudnn_calls.split_call(call, 100) == (call,)
+    assert [r.q_lens for r in cudnn_calls.split_call(call, 1)] == [
+        (4,),
+        (2,),
+        (3,),
+        (1,),
+    ]  # longer ones alone
+    with pytest.raises(ValueError, match="backward_rows must be an int >= 0, got -1"):
+        cudnn_backend.CudnnOptions(backward_rows=-1)
 
 
 @pytest.mark.parametrize("bucket_shapes", [True, False])

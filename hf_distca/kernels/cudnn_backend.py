@@ -23,8 +23,11 @@ Forward calls list only their own sequences; ragged offsets address them inside 
 tensors, so no rows are copied and calls write disjoint rows of the shared outputs (the non-causal part
 of a split writes its partial output to a compact side buffer). Backward calls run on packed operands
 (sequences back to back from row 0): cuDNN's ragged backward gave wrong dq otherwise (see
-``backward``), so a call whose rows are not already packed gathers them (q, out, dout, lse on the
-query side; k, v on the key side) and scatters its gradients back.
+``backward``), so a call whose rows are not one aligned run (then it reads and writes views from its
+first row) gathers them (q, out, dout, lse on the query side; k, v on the key side) and scatters its
+gradients back. A backward call over more than ``CudnnOptions.backward_rows`` rows runs as several
+launches over whole sequences: cuDNN's backward workspace grows with the rows of a launch (float32
+accumulators, about 3 x rows x Hq x D: 24 GiB at 512K rows of 32 x 128 heads).
 
 The default ``suffix_strategy`` is "split": it measured 1.04-1.05x faster than "bottom_right" on real
 server task mixes (one long suffix task among whole documents) and on 4K-query suffix tasks; on short
@@ -38,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_distca.kernels.common import ForwardTensors, PackedSeqs, host_to_device
-from hf_distca.kernels.cudnn_calls import KernelCall, check_strategy, packed_starts, plan_calls
+from hf_distca.kernels.cudnn_calls import KernelCall, check_strategy, packed_starts, plan_calls, split_call
 from hf_distca.kernels.cudnn_frontend import aligned, launch_backward, launch_forward
 
 __all__ = ["DEFAULT_OPTIONS", "CudnnOptions", "backward", "forward"]
@@ -54,9 +57,16 @@ class CudnnOptions:
     """How suffix sequences run, one of SUFFIX_STRATEGIES (see the module docstring)."""
     bucket_shapes: bool = True
     """Round plan shapes up (see :mod:`hf_distca.kernels.cudnn_frontend`); False declares exact shapes."""
+    backward_rows: int = 65536
+    """The most query rows (and key rows) one backward launch covers; a longer call runs as several launches
+    over whole sequences (a longer sequence alone). cuDNN's backward workspace holds float32 accumulators of
+    about 3 x rows x Hq x D (24 GiB for one launch over 512K rows of 32 x 128 heads, 3 GiB at the default).
+    0: one launch per call."""
 
     def __post_init__(self) -> None:
         check_strategy(self.suffix_strategy)
+        if not isinstance(self.backward_rows, int) or self.backward_rows < 0:
+            raise ValueError(f"CudnnOptions.backward_rows must be an int >= 0, got {self.backward_rows!r}")
 
 
 DEFAULT_OPTIONS = CudnnOptions()
@@ -127,38 +137,63 @@ def backward(
     dq = torch.empty_like(q)  # every query row is written by exactly one non-side call
     dk = torch.zeros_like(k)  # keys of sequences without queries are written by no call
     dv = torch.zeros_like(v)
-    for call in plan_calls(seqs, options.suffix_strategy):
-        q_starts, k_starts = packed_starts(call.q_lens), packed_starts(call.k_lens)
-        packed = KernelCall(
-            call.mask, q_starts, k_starts, call.q_lens, call.k_lens, q_starts, call.side, call.window
-        )
-        q_in_place = call.q_rows == q_starts
-        k_in_place = call.k_rows == k_starts
-        rows = sum(call.q_lens)
-        if q_in_place:
-            q_c, out_c, dout_c, lse_c = q, out, dout, lse
-        else:
-            q_index = _row_index(call.q_rows, call.q_lens, q.device)
-            q_c, out_c, dout_c, lse_c = (
-                t.index_select(0, q_index) for t in (q, out, dout, lse)
-            )  # (rows, ...)
-        if k_in_place:
-            k_c, v_c, dk_c, dv_c = k, v, dk, dv
-        else:
-            k_index = _row_index(call.k_rows, call.k_lens, k.device)
-            k_c, v_c = k.index_select(0, k_index), v.index_select(0, k_index)  # (keys, Hkv, D)
-            dk_c, dv_c = torch.empty_like(k_c), torch.empty_like(v_c)
-        dq_c = dq if q_in_place and not call.side else q.new_empty(rows, *q.shape[1:])  # (rows, Hq, D)
-        fwd_c = ForwardTensors(q_c, k_c, v_c, out_c, lse_c)
-        launch_backward(packed, dout_c, fwd_c, (dq_c, dk_c, dv_c), scale, bucket_shapes=options.bucket_shapes)
-        if call.side:  # the non-causal part of split sequences: add onto the causal part's dq
-            if q_in_place:
-                dq[:rows] += dq_c
-            else:
-                dq.index_add_(0, q_index, dq_c)
-        elif not q_in_place:
-            dq.index_copy_(0, q_index, dq_c)
-        if not k_in_place:
-            dk.index_copy_(0, k_index, dk_c)
-            dv.index_copy_(0, k_index, dv_c)
+    for whole in plan_calls(seqs, options.suffix_strategy):
+        for call in split_call(whole, options.backward_rows):
+            _backward_launch(call, (q, k, v, out, lse, dout), (dq, dk, dv), scale, options)
     return dq, dk, dv
+
+
+def _packed_view(tensors: tuple[torch.Tensor, ...], rows: tuple[int, ...], lens: tuple[int, ...]) -> bool:
+    """Whether the sequences at ``rows`` lie back to back from ``rows[0]`` and a view of every tensor
+    starting there keeps cuDNN's 16-byte alignment (then the launch reads and writes views, no gather)."""
+    first = rows[0]
+    if rows != tuple(first + s for s in packed_starts(lens)):
+        return False
+    return all((t.data_ptr() + first * t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
+
+
+def _backward_launch(
+    call: KernelCall,
+    inputs: tuple[torch.Tensor, ...],
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    scale: float,
+    options: CudnnOptions,
+) -> None:
+    """One backward launch on packed operands: views where the call's rows are one aligned run, else
+    gathered rows, its gradients written (or, for a split's side part, added) at the call's rows."""
+    q, k, v, out, lse, dout = inputs
+    dq, dk, dv = grads
+    q_starts, k_starts = packed_starts(call.q_lens), packed_starts(call.k_lens)
+    packed = KernelCall(
+        call.mask, q_starts, k_starts, call.q_lens, call.k_lens, q_starts, call.side, call.window
+    )
+    rows, keys = sum(call.q_lens), sum(call.k_lens)
+    r0, k0 = call.q_rows[0], call.k_rows[0]
+    q_view = _packed_view((q, out, dout, lse, dq), call.q_rows, call.q_lens)
+    k_view = _packed_view((k, v, dk, dv), call.k_rows, call.k_lens)
+    if q_view:
+        q_c, out_c, dout_c, lse_c = (t[r0 : r0 + rows] for t in (q, out, dout, lse))  # (rows, ...)
+    else:
+        q_index = _row_index(call.q_rows, call.q_lens, q.device)
+        q_c, out_c, dout_c, lse_c = (t.index_select(0, q_index) for t in (q, out, dout, lse))  # (rows, ...)
+    if k_view:
+        k_c, v_c, dk_c, dv_c = (t[k0 : k0 + keys] for t in (k, v, dk, dv))  # (keys, Hkv, D)
+    else:
+        k_index = _row_index(call.k_rows, call.k_lens, k.device)
+        k_c, v_c = k.index_select(0, k_index), v.index_select(0, k_index)  # (keys, Hkv, D)
+        dk_c, dv_c = torch.empty_like(k_c), torch.empty_like(v_c)
+    dq_c = (
+        dq[r0 : r0 + rows] if q_view and not call.side else q.new_empty(rows, *q.shape[1:])
+    )  # (rows, Hq, D)
+    fwd_c = ForwardTensors(q_c, k_c, v_c, out_c, lse_c)
+    launch_backward(packed, dout_c, fwd_c, (dq_c, dk_c, dv_c), scale, bucket_shapes=options.bucket_shapes)
+    if call.side:  # the non-causal part of split sequences: add onto the causal part's dq
+        if q_view:
+            dq[r0 : r0 + rows] += dq_c
+        else:
+            dq.index_add_(0, q_index, dq_c)
+    elif not q_view:
+        dq.index_copy_(0, q_index, dq_c)
+    if not k_view:
+        dk.index_copy_(0, k_index, dk_c)
+        dv.index_copy_(0, k_index, dv_c)

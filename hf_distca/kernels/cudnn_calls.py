@@ -4,7 +4,7 @@ ladder plans are built on. Pure Python: testable without a GPU."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hf_distca.kernels.common import PackedSeqs
 
@@ -18,6 +18,7 @@ __all__ = [
     "check_strategy",
     "packed_starts",
     "plan_calls",
+    "split_call",
 ]
 
 SUFFIX_STRATEGIES = ("bottom_right", "split")
@@ -109,3 +110,31 @@ def bucket(n: int, minimum: int) -> int:
         return minimum
     step = max(1, (1 << (n.bit_length() - 1)) // 4)
     return -(-n // step) * step
+
+
+def split_call(call: KernelCall, max_rows: int) -> tuple[KernelCall, ...]:
+    """``call`` as runs of consecutive whole sequences of at most ``max_rows`` query rows and at most
+    ``max_rows`` key rows each (a longer sequence runs alone), one launch each: the sequences of a call
+    are independent, so the runs' results are the call's. ``max_rows`` <= 0: the call as it is."""
+    if max_rows <= 0:
+        return (call,)
+    runs, first, rows, keys = [], 0, 0, 0
+    for i in range(call.num_seqs):
+        if i > first and (rows + call.q_lens[i] > max_rows or keys + call.k_lens[i] > max_rows):
+            runs.append(_run(call, first, i))
+            first, rows, keys = i, 0, 0
+        rows += call.q_lens[i]
+        keys += call.k_lens[i]
+    runs.append(_run(call, first, call.num_seqs))
+    return tuple(runs)
+
+
+def _run(call: KernelCall, start: int, stop: int) -> KernelCall:
+    return replace(
+        call,
+        q_rows=call.q_rows[start:stop],
+        k_rows=call.k_rows[start:stop],
+        q_lens=call.q_lens[start:stop],
+        k_lens=call.k_lens[start:stop],
+        out_rows=call.out_rows[start:stop],
+    )
