@@ -60,6 +60,8 @@ N = 4 << 20
 hands out best fit, so a freed buffer of this size is the next one of this size on its stream."""
 HOLD_CYCLES = 4_000_000_000
 """How long NCCL's stream is held back (GPU clock cycles: about 2 s on an H100 or H200)."""
+HOST_BLOCKED_S = 1.0
+"""Host seconds from a hold to the read after it beyond which the host itself waited for the hold."""
 NAN = poison_value(torch.float32)
 
 
@@ -182,6 +184,12 @@ def test_wait_orders_the_current_stream_and_the_stash_holds_the_send(group):
     held = bool(torch.isnan(early).all())
     record(f"{__name__}::wait_and_stash", equal=not failure, read_without_wait_was_poison=held)
     assert not failure, failure
+    if not held and host_s > HOST_BLOCKED_S:
+        pytest.skip(
+            f"issuing the exchange blocked the host until NCCL's stream was free ({host_s:.2f} s from the hold "
+            "to the read): on this NCCL a 1-rank group cannot show a late exchange, so wait()'s ordering is not "
+            "exercised here (tests/test_nccl_semantics.py emulates it on several ranks)"
+        )
     assert held, (
         f"the read without wait() saw data ({host_s:.3f} s on the host from the hold to the read): NCCL's "
         "stream was not held back, the test cannot bite"
