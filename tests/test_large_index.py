@@ -155,3 +155,22 @@ def test_one_rank_engine_gathers_split_documents_across_element_2_31():
     assert np.array_equal(index.kernel_q_index, want) and np.array_equal(index.kernel_kv_index, want)
     assert np.array_equal(want[index.out_gather], np.arange(TOKENS))  # outputs come back to their rows
     assert int(index.kernel_q_index.max()) * HQ * D > 2**31
+
+
+def test_torch_varlen_refuses_tensors_past_2_31_elements():
+    """torch's varlen kernel wrote non-finite outputs for q past 2**31 elements on an H200: refused before
+    the kernel, naming the backend that is exact there (meta tensors: nothing allocated)."""
+    from hf_distca.kernels import torch_varlen
+
+    rows = 2**31 // (32 * 128) + 1  # q of (rows, 32, 128): just past 2**31 elements
+    q = torch.empty(rows, 32, 128, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(rows, 8, 128, device="meta", dtype=torch.bfloat16)
+    with pytest.raises(
+        ValueError, match=r"backend 'torch_varlen': q of this call hold \d+ elements.*'cudnn'"
+    ):
+        torch_varlen.check_elements(q, k)
+    torch_varlen.check_elements(q[:-2], k[:-2])  # 2**31 - 4096 elements: accepted
+    with pytest.raises(ValueError, match="backend 'torch_varlen'"):
+        torch_varlen.forward(q, k, k, None, 1.0)  # refused before anything reads the sequences
+    with pytest.raises(ValueError, match="backend 'torch_varlen'"):
+        torch_varlen.backward(q, (q, k, k, q, None), None, 1.0)

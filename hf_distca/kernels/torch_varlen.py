@@ -76,9 +76,29 @@ def _kernel_kv(t: torch.Tensor, hq: int) -> torch.Tensor:
     return t.repeat_interleave(hq // t.shape[1], dim=1)
 
 
+MAX_ELEMENTS = 2**31 - 1
+"""The most elements a tensor may hold here: past 2**31 (e.g. q of 524288 rows of 32 x 128 heads) torch's
+varlen kernel wrote non-finite outputs on an H200 (torch 2.11)."""
+
+
+def check_elements(q: torch.Tensor, k: torch.Tensor) -> None:
+    """Refuse calls whose q or K/V (as the kernel takes them: repeated to q's heads without native GQA)
+    hold more than :data:`MAX_ELEMENTS`."""
+    hq, hkv = q.shape[1], k.shape[1]
+    kv = k.numel() if hq == hkv or _native_gqa() else k.numel() // hkv * hq
+    for name, elements in (("q", q.numel()), ("k and v", kv)):
+        if elements > MAX_ELEMENTS:
+            raise ValueError(
+                f"backend 'torch_varlen': {name} of this call hold {elements} elements, past the 2**31 - 1 its "
+                "kernel indexes correctly (it computed non-finite outputs there); use backend 'cudnn' (exact past "
+                "2**31, tested) or fewer tokens per attention call"
+            )
+
+
 def forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: PackedSeqs, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    check_elements(q, k)
     varlen = _varlen_module()
     params = _parameters()
     kwargs = {"scale": scale, "return_aux": varlen.AuxRequest(lse=True)}
@@ -102,6 +122,7 @@ def backward(
     dout: torch.Tensor, fwd: ForwardTensors, seqs: PackedSeqs, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     q, k, v, out, lse = fwd
+    check_elements(q, k)
     cu_q, cu_k = _device_offsets(seqs, q.device)
     hq, hkv = q.shape[1], k.shape[1]
     lse_kernel = lse.float().transpose(0, 1).contiguous()  # (Hq, Tq)
